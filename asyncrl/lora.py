@@ -1,0 +1,91 @@
+"""LoRA adapter <-> bytes, shared by the coordinator (export) and volunteers (load).
+
+The wire never carries torch objects: an adapter version is a list of `TensorSpec`s plus raw
+little-endian bytes per tensor in the published dtype (bf16 by default), which `protocol.codec`
+compresses. Tensor names are PEFT's adapter-state-dict names (adapter name stripped), so the same
+bytes can be written as an ordinary PEFT directory for vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from asyncrl.protocol.messages import LoraSpec, TensorSpec
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_INT_VIEW = {"bf16": torch.int16, "fp16": torch.int16, "fp32": torch.int32}
+
+
+def peft_config(spec: LoraSpec):
+    from peft import LoraConfig
+
+    return LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
+                      target_modules=list(spec.target_modules), bias="none", task_type="CAUSAL_LM")
+
+
+def load_base_model(model: str, *, dtype: torch.dtype = torch.float32, revision: str | None = None):
+    """The one loading path for every model: a hub id or a local HF directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model, revision=revision)
+    base = AutoModelForCausalLM.from_pretrained(model, revision=revision, dtype=dtype)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return base, tokenizer
+
+
+def with_lora(base, spec: LoraSpec, *, seed: int = 0):
+    from peft import get_peft_model
+
+    torch.manual_seed(seed)
+    return get_peft_model(base, peft_config(spec))
+
+
+def export_lora(model, dtype: str) -> tuple[list[TensorSpec], dict[str, bytes]]:
+    """LoRA weights cast to the published dtype, as (specs, raw bytes by name), sorted by name."""
+    from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(model)
+    specs, blobs = [], {}
+    for name in sorted(state):
+        t = state[name].detach().to("cpu", TORCH_DTYPES[dtype]).contiguous()
+        specs.append(TensorSpec(name=name, dtype=dtype, shape=tuple(t.shape)))
+        blobs[name] = t.view(_INT_VIEW[dtype]).numpy().tobytes()
+    return specs, blobs
+
+
+def tensors_from_bytes(specs, blobs: dict[str, bytes]) -> dict[str, torch.Tensor]:
+    out = {}
+    for spec in specs:
+        raw = bytearray(blobs[spec.name])  # writable copy: torch.frombuffer warns on read-only memory
+        out[spec.name] = torch.frombuffer(raw, dtype=TORCH_DTYPES[spec.dtype]).reshape(spec.shape).clone()
+    return out
+
+
+def load_lora(model, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy adapter tensors into a PEFT model in place (shapes must match exactly)."""
+    from peft import set_peft_model_state_dict
+
+    result = set_peft_model_state_dict(model, tensors)
+    unexpected = getattr(result, "unexpected_keys", None) or []
+    if unexpected:
+        raise ValueError(f"adapter has tensors the model does not: {unexpected[:3]}")
+
+
+def write_peft_dir(path: Path, spec: LoraSpec, base_model: str, tensors: dict[str, torch.Tensor]) -> Path:
+    """An ordinary PEFT adapter directory (what vLLM's LoRARequest loads)."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = peft_config(spec).to_dict()
+    cfg["base_model_name_or_path"] = base_model
+    cfg = {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}
+    tmp = path / "adapter_config.json.tmp"
+    tmp.write_text(json.dumps(cfg, indent=2, default=str))
+    tmp.replace(path / "adapter_config.json")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "adapter_model.safetensors.tmp"))
+    (path / "adapter_model.safetensors.tmp").replace(path / "adapter_model.safetensors")
+    return path

