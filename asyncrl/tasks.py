@@ -43,7 +43,14 @@ def exact_reward(completion: str, answer: str) -> float:
     return 1.0 if completion.strip() == answer.strip() else 0.0
 
 
-REWARDS: dict[str, RewardFn] = {"repeat": repeat_reward, "exact": exact_reward}
+def math_reward(completion: str, answer: str) -> float:
+    """math-verify equivalence of the completion's final answer and `answer` (in a time-limited worker)."""
+    from asyncrl.math_reward import math_reward as verify
+
+    return verify(completion, answer)
+
+
+REWARDS: dict[str, RewardFn] = {"repeat": repeat_reward, "exact": exact_reward, "math": math_reward}
 
 
 class UnknownReward(KeyError):

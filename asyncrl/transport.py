@@ -20,6 +20,7 @@ Create the SwarmNode before loading CUDA/vLLM: hivemind.DHT forks.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import threading
 from concurrent.futures import Future
@@ -28,7 +29,9 @@ from typing import Awaitable, Callable, Sequence
 
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 
+logger = logging.getLogger(__name__)
 HEADER = 8
+DHT_STORE_TIMEOUT_S = 60.0
 STATUS_OK, STATUS_ERR = 0, 1
 Handler = Callable[[bytes, str], Awaitable[bytes]]
 
@@ -111,6 +114,24 @@ async def _read_frame(reader: asyncio.StreamReader, cap: int) -> bytes:
     return await reader.readexactly(length)
 
 
+LINGER_BYTES = 256 * 1024
+LINGER_S = 2.0
+
+
+async def _linger(reader: asyncio.StreamReader) -> None:
+    """After refusing a request unread (banned peer, oversized frame): discard a bounded amount of what
+    the caller is still sending, so that closing does not reset the stream before it read our answer."""
+    left = LINGER_BYTES
+    try:
+        while left > 0:
+            chunk = await asyncio.wait_for(reader.read(min(65536, left)), LINGER_S)
+            if not chunk:
+                return
+            left -= len(chunk)
+    except (asyncio.TimeoutError, ConnectionError):
+        pass
+
+
 def _frame(data: bytes) -> bytes:
     return len(data).to_bytes(HEADER, "big") + data
 
@@ -118,11 +139,18 @@ def _frame(data: bytes) -> bytes:
 class SwarmNode:
     def __init__(self, *, initial_peers: Sequence[str] = (), host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
                  announce_maddrs: Sequence[str] | None = None, identity_path: str | None = None,
-                 client_mode: bool = False, use_relay: bool = True, start_timeout: float = 30.0):
+                 client_mode: bool = False, use_relay: bool = True, use_auto_relay: bool = False,
+                 trusted_relays: Sequence[str] = (), start_timeout: float = 30.0):
+        """`use_relay`: may reach/be reached through libp2p circuit relays; `use_auto_relay`: behind NAT,
+        look for a relay to become reachable; `trusted_relays`: relay multiaddrs to use (docs/transport.md)."""
         import hivemind
 
         kwargs = dict(host_maddrs=list(host_maddrs), client_mode=client_mode, use_relay=use_relay,
                       startup_timeout=start_timeout)
+        if use_auto_relay:
+            kwargs["use_auto_relay"] = True
+        if trusted_relays:
+            kwargs["trusted_relays"] = list(trusted_relays)
         if announce_maddrs:
             kwargs["announce_maddrs"] = list(announce_maddrs)
         if identity_path:
@@ -138,16 +166,31 @@ class SwarmNode:
         return [str(m) for m in self.dht.get_visible_maddrs()]
 
     # ---- request / response over streams ---------------------------------------------------
-    def serve(self, name: str, handler: Handler, *, max_request_bytes: int) -> None:
+    def serve(self, name: str, handler: Handler, *, max_request_bytes: int,
+              admit: Callable[[str], None] | None = None) -> None:
+        """`admit(peer_id)` (optional) runs before the request is read; its ProtocolError is the answer
+        (e.g. a banned or rate-limited peer: coordinator/access.py)."""
+
         async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            read = False
             try:
                 try:
+                    if admit is not None:
+                        admit(info.peer_id.to_base58())
                     request = await _read_frame(reader, max_request_bytes)
+                    read = True
                     response = await handler(request, info.peer_id.to_base58())
                     writer.write(bytes([STATUS_OK]) + _frame(response))
                 except ProtocolError as exc:
                     writer.write(bytes([STATUS_ERR]) + _frame(f"{exc.code.value}:{exc.detail}".encode()))
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    raise
+                except Exception as exc:  # a handler bug must not look like a network failure to the caller
+                    logger.exception("handler %s failed", name)
+                    writer.write(bytes([STATUS_ERR]) + _frame(f"INTERNAL:{exc.__class__.__name__}".encode()))
                 await writer.drain()
+                if not read:
+                    await _linger(reader)
             except (asyncio.IncompleteReadError, ConnectionError):
                 pass  # the caller went away; nothing to answer
             finally:
@@ -186,10 +229,19 @@ class SwarmNode:
             raise TransportError(f"{name} to {peer_id[-8:]}: {exc.__class__.__name__}: {exc}") from None
 
     # ---- DHT ------------------------------------------------------------------------------
-    def store(self, key: str, value: bytes, ttl: float, subkey: str | None = None) -> bool:
+    def store(self, key: str, value: bytes, ttl: float, subkey: str | None = None,
+              timeout: float = DHT_STORE_TIMEOUT_S) -> bool:
+        """Raises TransportError when the DHT process is gone (e.g. SIGTERM/Ctrl-C reached the whole process
+        group) or does not answer in `timeout`, instead of blocking the caller (the learner loop) forever."""
         from hivemind.utils import get_dht_time
 
-        return bool(self.dht.store(key, value, get_dht_time() + ttl, subkey=subkey))
+        if not self.dht.is_alive():
+            raise TransportError(f"DHT store of {key!r}: the DHT process has exited")
+        future = self.dht.store(key, value, get_dht_time() + ttl, subkey=subkey, return_future=True)
+        try:
+            return bool(future.result(timeout=timeout))
+        except Exception as exc:
+            raise TransportError(f"DHT store of {key!r}: {exc.__class__.__name__}: {exc}") from None
 
     def get(self, key: str, latest: bool = True):
         """The raw value (bytes) or {subkey: bytes} for dictionary keys; None when absent."""
@@ -208,3 +260,15 @@ class SwarmNode:
             pass
         self.loops.stop()
         self.dht.shutdown()
+        # The DHT process was forked after our SIGTERM handler was installed, so it inherited it and the
+        # SIGTERM of hivemind's hard shutdown only sets a flag there; without this, interpreter exit would
+        # wait forever to join it (e.g. after the whole process group got SIGTERM and p2pd died first).
+        if self.dht.is_alive():
+            import os
+            import signal
+
+            try:
+                os.kill(self.dht.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.dht.join(5)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -26,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="asyncrl-client", description="asyncrl volunteer client")
     sub = p.add_subparsers(dest="command", required=True)
     join = sub.add_parser("join", help="join a swarm at ADDRESS and contribute rollouts")
-    join.add_argument("address", help="the multiaddr the coordinator printed (ends in /p2p/<peer id>)")
+    join.add_argument("address", help="the multiaddr the coordinator printed (ends in /p2p/<peer id>), or any "
+                                      "peer's address together with --coordinator")
     join.add_argument("--data-dir", type=Path, default=default_data_dir(), help="identity, outbox, status")
     join.add_argument("--name", default="", help="display name shown to the operator")
     join.add_argument("--model", default=None, help="local copy of the base model (default: the manifest's)")
@@ -36,9 +36,28 @@ def build_parser() -> argparse.ArgumentParser:
                       help="behind NAT: do not accept incoming DHT connections (outbound only)")
     join.add_argument("--seed", type=int, default=0)
     join.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
-    join.add_argument("--quiet", action="store_true")
+    join.add_argument("--engine", choices=["auto", "vllm", "transformers"], default="auto",
+                      help="auto = vLLM when CUDA and vllm are present, else transformers (says why)")
+    join.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                      help="fraction of GPU memory vLLM may use (lower it if other programs need the GPU)")
+    join.add_argument("--max-outbox-mb", type=int, default=512, help="disk cap for unacknowledged batches")
+    join.add_argument("--duty-cycle", type=float, default=1.0, metavar="F",
+                      help="lend only part of the machine: after each batch rest so that busy time / wall time "
+                           "is about F (0 < F <= 1; rest = busy * (1 - F) / F)")
+    join.add_argument("--hold-version", type=int, default=0, metavar="K",
+                      help="EXPERIMENT ONLY (staleness benchmarks): generate with the adapter K versions behind "
+                           "the newest; wastes the swarm's work otherwise (docs/staleness.md)")
+    out = join.add_mutually_exclusive_group()
+    out.add_argument("--quiet", action="store_true", help="only warnings and errors")
+    out.add_argument("--json-logs", action="store_true", help="one JSON object per event (headless hosts)")
+    from asyncrl.client.swarm_member import add_swarm_arguments
+
+    add_swarm_arguments(join)
     status = sub.add_parser("status", help="identity, outbox size and contribution so far")
     status.add_argument("--data-dir", type=Path, default=default_data_dir())
+    keys = sub.add_parser("keys", help="show (or create) this volunteer's identity key")
+    keys.add_argument("--data-dir", type=Path, default=default_data_dir())
+    keys.add_argument("--create", action="store_true", help="create the key if missing")
     return p
 
 
@@ -47,20 +66,71 @@ def fail(message: str, code: int = 1) -> int:
     return code
 
 
+def show_keys(data_dir: Path, *, create: bool) -> int:
+    from asyncrl.protocol.errors import ProtocolError
+    from asyncrl.protocol.identity import Identity
+
+    path = data_dir / "identity.key"
+    try:
+        if create:
+            identity, created = Identity.load_or_create(path)
+        elif path.exists():
+            identity, created = Identity.load(path), False
+        else:
+            return fail(f"no identity at {path} (run `asyncrl-client keys --create` or join once)")
+    except ProtocolError as exc:
+        return fail(f"{path}: {exc.detail}")
+    print(json.dumps({"path": str(path), "created": created, "fingerprint": identity.fingerprint,
+                      "public_key": identity.public_key.hex()}, indent=2))
+    return 0
+
+
+def show_status(data_dir: Path) -> int:
+    from asyncrl.protocol.identity import Identity
+
+    key = data_dir / "identity.key"
+    if not key.exists():
+        return fail(f"no volunteer identity in {data_dir} (has this volunteer joined yet?)")
+    outbox = sorted((data_dir / "outbox").glob("*.batch")) if (data_dir / "outbox").exists() else []
+    info = {"data_dir": str(data_dir), "fingerprint": Identity.load(key).fingerprint,
+            "outbox_batches": len(outbox), "outbox_bytes": sum(p.stat().st_size for p in outbox)}
+    path = data_dir / "status.json"
+    if path.exists():
+        st = json.loads(path.read_text())
+        info.update({"name": st.get("name"), "run_id": st.get("run_id"),
+                     "last_adapter_version": (st.get("versions_loaded") or [None])[-1],
+                     "adapter_versions_loaded": len(set(st.get("versions_loaded") or [])),
+                     "batches_acked": st.get("batches_acked"), "batches_rejected": st.get("batches_rejected"),
+                     "rollouts": st.get("rollouts"), "tokens": st.get("tokens")})
+    print(json.dumps(info, indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "status":
-        path = args.data_dir / "status.json"
-        if not path.exists():
-            return fail(f"no status in {args.data_dir} (has this volunteer joined yet?)")
-        print(json.dumps(json.loads(path.read_text()), indent=2))
-        return 0
+        return show_status(args.data_dir)
+    if args.command == "keys":
+        return show_keys(args.data_dir, create=args.create)
+    if not 0.05 <= args.gpu_memory_utilization <= 1.0:
+        return fail("--gpu-memory-utilization must be in [0.05, 1.0]", 2)
+    if args.max_outbox_mb < 1:
+        return fail("--max-outbox-mb must be >= 1", 2)
+    if not 0.0 < args.duty_cycle <= 1.0:
+        return fail("--duty-cycle must be in (0, 1]", 2)
+    if args.hold_version < 0:
+        return fail("--hold-version must be >= 0", 2)
 
     from asyncrl.transport import BadAddress, TransportError, check_reachable, parse_join_address
 
+    from asyncrl.bootstrap import join_spec
+    from asyncrl.client.swarm_member import swarm_config
+
     try:
+        join_spec(args.address, args.coordinator)  # a bad --coordinator fails here too
+        swarm = swarm_config(args)
         check_reachable(parse_join_address(args.address))
-    except BadAddress as exc:
+    except (BadAddress, ValueError) as exc:
         return fail(str(exc), 2)
     except TransportError as exc:
         return fail(str(exc))
@@ -71,24 +141,30 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    from asyncrl.client.worker import Volunteer, VolunteerConfig
+    from asyncrl.client.engine import EngineUnavailable
+    from asyncrl.client.worker import BaseModelMismatch, Volunteer, VolunteerConfig
 
     cfg = VolunteerConfig(address=args.address, data_dir=args.data_dir, name=args.name, model=args.model,
                           max_batches=args.max_batches, prompts_per_batch=args.prompts_per_batch,
-                          client_mode=args.client_mode, seed=args.seed, quiet=args.quiet)
+                          client_mode=args.client_mode, seed=args.seed, quiet=args.quiet, engine=args.engine,
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          max_outbox_bytes=args.max_outbox_mb * 1024 * 1024,
+                          duty_cycle=args.duty_cycle, hold_version=args.hold_version,
+                          display="quiet" if args.quiet else "json" if args.json_logs else "live", **swarm)
     try:
-        vol = Volunteer(cfg, out=lambda s: print(s, flush=True))
+        vol = Volunteer(cfg)
     except ProtocolError as exc:
         return fail(f"{args.address!r}: {exc.detail}", 2)
 
-    def on_signal(signum, frame):
+    def on_signal(signum):
         if vol.stop.is_set():
             raise KeyboardInterrupt
         print("stopping after the current batch (Ctrl-C again to abort; the outbox is kept)", flush=True)
         vol.stop.set()
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    from asyncrl import signals
+
+    signals.install(on_signal)
     try:
         vol.connect()
         print(f"joined as {vol.name} ({vol.identity.fingerprint}); run {vol.run_id}", flush=True)
@@ -99,7 +175,13 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"{exc.code.value}: {exc.detail}")
     except KeyboardInterrupt:
         return fail("aborted; unsent batches stay in the outbox", 130)
+    except (BaseModelMismatch, EngineUnavailable) as exc:
+        return fail(str(exc))
     except Exception as exc:
+        if exc.__class__.__name__ == "OutOfMemoryError":
+            from asyncrl.client.engine import out_of_memory_hint
+
+            return fail(out_of_memory_hint(args.gpu_memory_utilization))
         return fail(f"{exc.__class__.__name__}: {exc}")
     finally:
         vol.shutdown()

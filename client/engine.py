@@ -131,3 +131,51 @@ def processed_logprobs(logits: torch.Tensor, sampling: SamplingParams) -> torch.
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return torch.log_softmax(logits, dim=-1)
+
+
+class EngineUnavailable(RuntimeError):
+    """The requested engine cannot run here (the message says why and what to do)."""
+
+
+def vllm_status() -> tuple[bool, str]:
+    """(usable, reason). vLLM is picked automatically only with CUDA and an importable vllm."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return False, "vllm is not installed (pip install 'asyncrl[vllm]')"
+    if not torch.cuda.is_available():
+        return False, "no CUDA device visible"
+    return True, "CUDA and vllm available"
+
+
+def make_engine(kind: str, model: str, lora: LoraSpec, *, gpu_memory_utilization: float = 0.85, seed: int = 0,
+                max_staleness: int = 4, out=print) -> Engine:
+    """`auto` → vLLM when CUDA and vllm are present, else transformers (saying why)."""
+    if kind not in ("auto", "vllm", "transformers"):
+        raise EngineUnavailable(f"unknown engine {kind!r}; choose auto, vllm or transformers")
+    if kind == "auto":
+        usable, reason = vllm_status()
+        kind = "vllm" if usable else "transformers"
+        if not usable:
+            out(f"engine: transformers (vLLM not used: {reason})")
+    try:
+        if kind == "vllm":
+            import importlib.util
+
+            if importlib.util.find_spec("vllm") is None:
+                raise EngineUnavailable("--engine vllm: vllm is not installed (pip install 'asyncrl[vllm]')")
+            from asyncrl.client.engine_vllm import VLLMEngine
+
+            return VLLMEngine(model, lora, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
+                              max_staleness=max_staleness)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        return TransformersEngine(model, lora, device=device, dtype=dtype, seed=seed)
+    except torch.cuda.OutOfMemoryError as exc:
+        raise EngineUnavailable(out_of_memory_hint(gpu_memory_utilization)) from exc
+
+
+def out_of_memory_hint(gpu_memory_utilization: float) -> str:
+    lower = max(0.1, round(gpu_memory_utilization - 0.15, 2))
+    return (f"CUDA out of memory; another program may hold GPU memory. Try a lower "
+            f"--gpu-memory-utilization (e.g. {lower}) or close other GPU programs.")

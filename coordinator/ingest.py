@@ -1,12 +1,19 @@
 """Ingest: turn signed rollout-batch bytes into verified `TrainGroup`s, or a reject code.
 
 Checks, cheapest first (each failure is a `ProtocolError` with a stable `RejectCode`):
-size cap (the transport refused larger frames before reading them) -> envelope signature, audience,
-timestamp window -> nonce replay -> batch id seen before (DUPLICATE_BATCH; the ack is repeated so a
-client whose ack was lost can delete its spooled copy) -> strict decode + shape/range validation ->
-run id -> adapter version not from the future -> every lease known and held by the signer ->
-rewards recomputed from the completions (REWARD_MISMATCH).
-Accepted groups go onto a bounded queue the learner drains. Back-pressure invariant: ingest never
+[transport, before the body is read: peer banned / over its rate (NOT_ALLOWED, RATE_LIMITED), frame size
+cap (PAYLOAD_TOO_LARGE)] -> header key banned or not on the allowlist (NOT_ALLOWED; costs nothing, changes
+nothing) -> envelope size, signature, audience, timestamp window -> identity rate + quota and learner
+queue room (RATE_LIMITED, before the nonce is spent so the same bytes can be retried) -> nonce replay
+(NONCE_REUSED) -> batch id seen before (DUPLICATE_BATCH; the ack is repeated so a client whose ack was
+lost can delete its spooled copy — also when its retry reused the nonce) -> strict decode + shape/range
+validation -> run id -> sampling params as leased -> adapter version not from the future -> every lease
+known and held by the signer -> rewards recomputed from the completions (REWARD_MISMATCH) -> generation
+audit (coordinator/audit.py: LOGPROB_MISMATCH now, or deferred to the learner's forward pass).
+Only rejects raised after the signature verified are charged to the signer (client stats, strikes in
+coordinator/access.py); earlier ones are charged to the transport peer.
+Accepted groups are written to the journal (coordinator/journal.py: an ack means "durable here") and
+go onto a bounded queue the learner drains. Back-pressure invariant: ingest never
 blocks the P2P loop; when the queue is full the batch is refused with RATE_LIMITED and stays in the
 volunteer's outbox for a later retry — nothing is dropped silently.
 """
@@ -16,7 +23,10 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
+
+import msgspec
 
 import numpy as np
 
@@ -26,6 +36,7 @@ from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import fingerprint
 from asyncrl import tasks
+from asyncrl.task_sources import encode_prompt
 
 REWARD_TOLERANCE = 1e-6
 
@@ -48,11 +59,14 @@ class AcceptedBatch:
     reward_mean: float
     version: int
     received_at: float
+    signer: str = ""  # the volunteer's key fingerprint (names are self-chosen; --sync counts keys)
+    prompt_ids: tuple[str, ...] = ()  # the leased prompts its groups answer (journal replay settles them)
 
 
 class Ingest:
     def __init__(self, *, identity_public_key: bytes, run_id: str, board: TaskBoard, tokenizer, vocab_size: int,
-                 current_version, max_batch_bytes: int, window_s: float, queue_groups: int = 256):
+                 current_version, max_batch_bytes: int, window_s: float, queue_groups: int = 256, journal=None,
+                 access=None, auditor=None, sampling: messages.SamplingParams | None = None):
         self.audience = identity_public_key
         self.run_id = run_id
         self.board = board
@@ -68,6 +82,12 @@ class Ingest:
         self.lock = threading.Lock()
         self.accepted_log: list[AcceptedBatch] = []
         self.queued_groups = 0  # groups accepted but not yet taken by the learner
+        self.journal = journal  # IngestJournal or None (then an ack is only as durable as this process)
+        self.access = access    # coordinator.access.AccessControl or None (open, unlimited)
+        self.auditor = auditor  # coordinator.audit.Auditor or None (no generation audit)
+        self.sampling = sampling  # what leases promise; a batch claiming other sampling params is MALFORMED
+        self.verdicts: deque[dict] = deque(maxlen=1024)  # recent outcomes, newest last (trust.json, tests)
+        self._reserved = 0  # queue slots held by batches being verified (room is checked before the nonce)
 
     def _client(self, signer: bytes, name: str = "") -> ClientStats:
         fp = fingerprint(signer)
@@ -79,25 +99,42 @@ class Ingest:
         stats.last_seen = time.time()
         return stats
 
-    def handle(self, data: bytes) -> messages.Ack:
+    def handle(self, data: bytes, peer: str = "") -> messages.Ack:
         """Verify one sealed rollout batch; never raises, always answers an Ack."""
-        signer = data[4:36] if len(data) >= 36 else b""
+        reserved: list[bool] = []
         try:
-            batch_id, groups, batch = self._verify(data)
+            return self._handle(data, peer, reserved)
+        finally:
+            if reserved:
+                with self.lock:
+                    self._reserved -= 1
+
+    def _handle(self, data: bytes, peer: str, reserved: list) -> messages.Ack:
+        try:
+            batch_id, groups, batch, signer, audit = self._verify(data, reserved)
         except ProtocolError as exc:
-            if signer and exc.code is not RejectCode.SIGNATURE_MISMATCH:
+            signer = getattr(exc, "signer", None)  # set only once the signature verified
+            if signer is not None:
                 with self.lock:
                     st = self._client(signer)
                     st.rejected[exc.code.value] = st.rejected.get(exc.code.value, 0) + 1
+            if self.access is not None:
+                self.access.on_reject(exc.code, signer=signer, peer=peer)
             batch_id = exc.batch_id if hasattr(exc, "batch_id") else b""
+            self._verdict(batch_id, signer, exc.code.value, "ingest")
             accepted = exc.code is RejectCode.DUPLICATE_BATCH  # the client may delete its copy
             return messages.Ack(batch_id=batch_id, accepted=accepted, code=exc.code.value, detail=exc.detail)
         rewards = [r for g in groups for r in g.rewards]
         accepted = AcceptedBatch(batch_id, batch.client_name, groups, float(np.mean(rewards)),
-                                 batch.adapter_version, time.time())
+                                 batch.adapter_version, time.time(), signer=fingerprint(signer),
+                                 prompt_ids=tuple(g.prompt_id for g in batch.groups))
+        if self.journal is not None:
+            self.journal.put(accepted)
         try:
             self.queue.put_nowait(accepted)
         except queue.Full:
+            if self.journal is not None:
+                self.journal.remove(batch_id)
             with self.lock:
                 self.seen.discard(batch_id)
             return messages.Ack(batch_id=batch_id, accepted=False, code=RejectCode.RATE_LIMITED.value,
@@ -108,22 +145,49 @@ class Ingest:
             st.accepted += 1
             st.last_version = batch.adapter_version
             self.accepted_log.append(accepted)
+        if self.access is not None:
+            self.access.record_accepted(signer)
+        self._verdict(batch_id, signer, "ACCEPTED", "ingest", audit=audit)
         return messages.Ack(batch_id=batch_id, accepted=True)
 
-    def _verify(self, data: bytes):
+    def _verify(self, data: bytes, reserved: list):
+        data = bytes(data)
+        if (self.access is not None and envelope.HEADER_BYTES < len(data) <= self.max_batch_bytes
+                and data[:4] == envelope.MAGIC):
+            self.access.check_signer(data[4:36])  # the header key, before spending a signature check
         opened = envelope.open_envelope(data, max_bytes=self.max_batch_bytes, expected_kind="rollout_batch",
                                         expected_audience=self.audience, window_s=self.window_s)
+        try:
+            return self._verify_opened(opened, reserved)
+        except ProtocolError as exc:
+            exc.signer = opened.signer  # from here on the signer is accountable
+            if not hasattr(exc, "batch_id"):
+                exc.batch_id = opened.payload_id
+            raise
+
+    def _verify_opened(self, opened: envelope.Opened, reserved: list):
         batch_id = opened.payload_id
+        if self.access is not None:
+            self.access.admit_identity(opened.signer)  # before the nonce is spent: a retry of these bytes works
         with self.lock:
+            if self.queue.qsize() + self._reserved >= self.queue.maxsize:
+                raise ProtocolError(RejectCode.RATE_LIMITED, "learner queue full; retry later")
+            try:
+                self.replay.check_and_remember(opened.signer, opened.nonce, opened.timestamp)
+            except ProtocolError as exc:
+                if exc.code is RejectCode.NONCE_REUSED and batch_id in self.seen:  # a lost ack's retry
+                    raise ProtocolError(RejectCode.DUPLICATE_BATCH, "already accepted") from None
+                raise
             if batch_id in self.seen:
-                err = ProtocolError(RejectCode.DUPLICATE_BATCH, "already accepted")
-                err.batch_id = batch_id
-                raise err
-            self.replay.check_and_remember(opened.signer, opened.nonce, opened.timestamp)
+                raise ProtocolError(RejectCode.DUPLICATE_BATCH, "already accepted")
+            self._reserved += 1
+            reserved.append(True)
         batch = messages.decode_rollout_batch(opened.payload, max_bytes=self.max_batch_bytes,
                                               vocab_size=self.vocab_size)
         if batch.run_id != self.run_id:
             raise ProtocolError(RejectCode.WRONG_RUN, f"batch is for run {batch.run_id!r}")
+        if self.sampling is not None and batch.sampling != self.sampling:
+            raise ProtocolError(RejectCode.MALFORMED, "sampling parameters differ from the leased ones")
         if batch.adapter_version > self.current_version():
             raise ProtocolError(RejectCode.FUTURE_VERSION, f"version {batch.adapter_version} not published yet")
         leases = []
@@ -135,10 +199,20 @@ class Ingest:
             if lease.prompt.prompt_id != group.prompt_id:
                 raise ProtocolError(RejectCode.UNKNOWN_LEASE, "prompt id does not match the lease")
             leases.append(lease)
+        try:
+            return self._verify_leased(opened, batch, leases, batch_id)
+        except ProtocolError as exc:
+            if exc.code not in (RejectCode.RATE_LIMITED, RejectCode.INTERNAL):
+                # A refused batch is never re-sent (client FINAL_REJECTS): end its leases now instead of
+                # pinning the prompts (and the back-pressure room) until they expire.
+                self.board.abandon([l.lease_id for l in leases], opened.signer)
+            raise
+
+    def _verify_leased(self, opened: envelope.Opened, batch, leases, batch_id: bytes):
         groups = []
         for group, lease in zip(batch.groups, leases):
             prompt_ids = np.frombuffer(group.prompt_token_ids, dtype="<i4").tolist()
-            expected_prompt = self.tokenizer(lease.prompt.text)["input_ids"]
+            expected_prompt = encode_prompt(self.tokenizer, lease.prompt.text)
             if prompt_ids != list(expected_prompt):
                 raise ProtocolError(RejectCode.MALFORMED, "prompt tokens differ from the leased prompt")
             comps, lps, rewards = [], [], []
@@ -156,6 +230,11 @@ class Ingest:
                 rewards.append(expected)
             groups.append(TrainGroup(prompt_ids, comps, lps, rewards, batch.adapter_version,
                                      batch.sampling.temperature, batch.client_name))
+        audit = "off"
+        if self.auditor is not None:  # after the (cheaper) reward check; before the leases are settled
+            streak = self.access.valid_streak(opened.signer) if self.access is not None else 0
+            audit = self.auditor.check(opened.signer, batch_id, batch.adapter_version, groups, valid_streak=streak,
+                                       current_version=self.current_version())
         for group in batch.groups:
             try:
                 self.board.complete(group.lease_id, opened.signer)
@@ -163,7 +242,49 @@ class Ingest:
                 raise ProtocolError(RejectCode.UNKNOWN_LEASE, str(exc)) from None
         with self.lock:
             self.seen.add(batch_id)
-        return batch_id, groups, batch
+        return batch_id, groups, batch, opened.signer, audit
+
+    # ---- trust bookkeeping (coordinator/access.py, coordinator/audit.py, coordinator/trust_state.py) ----
+    def _verdict(self, batch_id: bytes, signer: bytes | None, code: str, stage: str, **extra) -> None:
+        with self.lock:
+            self.verdicts.append({"batch_id": batch_id.hex(), "client": fingerprint(signer) if signer else None,
+                                  "code": code, "stage": stage, "t": time.time(), **extra})
+
+    def audit_verdict(self, batch_id: bytes, signer: bytes, code: RejectCode | None, stage: str) -> None:
+        """The auditor's outcome for a batch. A failure at train time comes after the ack: the batch is
+        dropped before its gradient, counted as rejected, and its signer struck."""
+        if code is None:
+            self._verdict(batch_id, signer or None, "AUDIT_PASSED", stage)
+            return
+        if stage != "ingest" and signer:
+            with self.lock:
+                st = self._client(signer)
+                st.accepted = max(0, st.accepted - 1)
+                st.rejected[code.value] = st.rejected.get(code.value, 0) + 1
+            if self.access is not None:
+                self.access.on_reject(code, signer=signer)
+        self._verdict(batch_id, signer or None, code.value, stage)
+
+    def state_bytes(self) -> bytes:
+        """Replay guard + accepted batch ids (msgpack, no pickle): nonces stay single-use across restarts."""
+        with self.lock:
+            return msgspec.msgpack.encode({"version": 1, "replay": self.replay.to_bytes(), "seen": sorted(self.seen)})
+
+    def load_state(self, data: bytes) -> None:
+        """Merge a `state_bytes()` snapshot into the live state (union: never forgets what it holds)."""
+        try:
+            state = msgspec.msgpack.decode(data, type=dict[str, int | bytes | list[bytes]])
+            if state.get("version") != 1:
+                raise ValueError("unknown state version")
+            guard = envelope.ReplayGuard.from_bytes(state["replay"])
+            seen = {bytes(b) for b in state["seen"] if len(b) == 32}
+        except ProtocolError:
+            raise
+        except Exception as exc:
+            raise ProtocolError(RejectCode.MALFORMED, f"ingest state: {exc}") from None
+        with self.lock:
+            self.replay.merge(guard)
+            self.seen |= seen
 
     def take(self, n_groups: int, *, max_wait_s: float, min_groups: int, stop: threading.Event) -> list[AcceptedBatch]:
         """Block until n_groups are queued, or max_wait_s passed with >= min_groups (or stop is set)."""

@@ -28,6 +28,8 @@ class TrainGroup:
     version: int
     temperature: float = 1.0
     client: str = ""
+    batch_id: bytes = b""  # the rollout batch it came in (set when a train-time audit is pending)
+    audit: bool = False    # check its sampling logprobs against this step's forward pass (coordinator/audit.py)
 
 
 @dataclass
@@ -42,15 +44,19 @@ class StepResult:
     ratio_mean: float = 1.0
     is_weight_mean: float = 1.0
     seconds: float = 0.0
+    tokens: int = 0
+    """Non-pad tokens (prompt + completion) through forward and backward this step."""
+    metrics: dict = field(default_factory=dict)
+    """Loss statistics (coordinator.loss.LossStats.metrics) plus the staleness histogram."""
 
 
 class Learner:
     def __init__(self, model: str, lora: LoraSpec, *, lr: float, loss: LossConfig,
                  max_staleness: int | None, weight_decay: float = 0.0, max_grad_norm: float = 1.0,
-                 seed: int = 0, device: str = "cpu"):
+                 seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32):
         from asyncrl.lora import load_base_model, with_lora
 
-        base, self.tokenizer = load_base_model(model, dtype=torch.float32)
+        base, self.tokenizer = load_base_model(model, dtype=dtype)
         self.model = with_lora(base, lora, seed=seed).to(device)
         self.model.train()
         self.device = device
@@ -60,6 +66,7 @@ class Learner:
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
         self.version = 0  # version of the adapter currently held (== last published or to publish)
+        self.audit_hook = None  # fn(groups, logps, mask) -> batch ids to drop (coordinator/audit.py)
         self.steps = 0
 
     @property
@@ -81,24 +88,44 @@ class Learner:
             return None
         batch = self._collate(fresh)
         logps = self._completion_logprobs(batch)
+        if self.audit_hook is not None and any(g.audit for g in fresh):
+            # Generation audit on this very forward pass; a failing batch goes before any gradient exists.
+            rejected = self.audit_hook(fresh, logps.detach(), batch["mask"])
+            if rejected:
+                fresh = [g for g in fresh if g.batch_id not in rejected]
+                if not fresh:
+                    return None
+                batch = self._collate(fresh)
+                logps = self._completion_logprobs(batch)
+        ref = None
+        if self.loss_cfg.beta > 0:  # reference = the base model: the same weights, adapter switched off
+            with torch.no_grad(), self.model.disable_adapter():
+                ref = self._completion_logprobs(batch)
         adv = group_advantages(batch["rewards"], batch["group_ids"], self.loss_cfg.scale_rewards)
-        stats = grpo_loss(logps, batch["sampling_logps"], adv, batch["mask"], self.loss_cfg)
+        stats = grpo_loss(logps, batch["sampling_logps"], adv, batch["mask"], self.loss_cfg, ref_logps=ref)
         self.optimizer.zero_grad(set_to_none=True)
         stats.loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], self.max_grad_norm)
         self.optimizer.step()
         self.steps += 1
+        staleness = [self.version - g.version for g in fresh]
+        hist: dict[str, int] = {}
+        for s in sorted(staleness):
+            hist[str(s)] = hist.get(str(s), 0) + 1
         return StepResult(
             version=self.version,
             loss=float(stats.loss.detach()),
             reward_mean=float(batch["rewards"].mean()),
             groups_used=len(fresh),
             groups_dropped_stale=dropped,
-            staleness=[self.version - g.version for g in fresh],
+            staleness=staleness,
             clip_fraction=stats.clip_fraction,
             ratio_mean=stats.ratio_mean,
             is_weight_mean=stats.is_weight_mean,
             seconds=time.perf_counter() - t0,
+            tokens=int(batch["attn"].sum()),
+            metrics={**stats.metrics(), "staleness_hist": hist, "staleness_max": max(staleness),
+                     "staleness_mean": sum(staleness) / len(staleness), "groups_dropped_stale": dropped},
         )
 
     def _collate(self, groups: list[TrainGroup]) -> dict[str, torch.Tensor]:
@@ -131,14 +158,28 @@ class Learner:
                 "comp_lens": torch.tensor(comp_lens), "temps": torch.tensor(temps, dtype=torch.float32)}
 
     def _completion_logprobs(self, batch) -> torch.Tensor:
-        """log pi(token) for every completion token, [B, Tmax], under the same temperature as sampling."""
-        logits = self.model(input_ids=batch["ids"], attention_mask=batch["attn"]).logits.float()
-        logits = logits / batch["temps"].to(logits.device).view(-1, 1, 1)
+        """log pi(token) for every completion token, [B, Tmax], under the same temperature as sampling.
+
+        Cost matters here (bench/learner_throughput.py): the LM head runs only from the first position
+        that predicts a completion token (`logits_to_keep`), and the log-probability of the taken
+        token is gather - logsumexp (TRL's selective_log_softmax) instead of a full-vocabulary
+        log_softmax copy; the [B, T] result is then shifted into completion-aligned columns.
+        """
+        ids = batch["ids"]
         B, tmax = batch["mask"].shape
+        width = ids.shape[1]
+        start = int(batch["prompt_lens"].min()) - 1  # first position whose next token is a completion token
+        keep = width - start
+        logits = self.model(input_ids=ids, attention_mask=batch["attn"], logits_to_keep=keep).logits
+        logits = logits[:, :-1]  # the last position predicts nothing we train on
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        temps = batch["temps"]
+        if not bool((temps == 1.0).all()):
+            logits = logits / temps.to(logits.device).view(-1, 1, 1)
+        targets = ids[:, start + 1:]
+        logp = logits.gather(2, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
         # completion token j of row i sits at position prompt_len + j, predicted by position - 1
-        pos = batch["prompt_lens"].view(-1, 1) - 1 + torch.arange(tmax).view(1, -1)
-        pos = pos.clamp(max=logits.shape[1] - 1).to(logits.device)
-        picked_logits = logits.gather(1, pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-        logp_all = torch.log_softmax(picked_logits, dim=-1)
-        targets = batch["ids"].gather(1, (pos + 1).clamp(max=batch["ids"].shape[1] - 1))
-        return logp_all.gather(2, targets.unsqueeze(-1)).squeeze(-1) * batch["mask"]
+        col = batch["prompt_lens"].view(-1, 1) - 1 - start + torch.arange(tmax).view(1, -1)
+        col = col.clamp(max=max(0, logp.shape[1] - 1)).to(logp.device)
+        return logp.gather(1, col) * batch["mask"]

@@ -20,7 +20,15 @@ Variant (and sources):
     "grpo"     mean over each sequence's tokens, then mean over sequences;
     "dr_grpo"  sum over all tokens / (num_sequences * max_completion_length);
     "dapo"     sum over all tokens / number of tokens in the batch (token-level mean).
-- KL to the reference policy: off (beta = 0), as in DAPO / Dr. GRPO and TRL's default.
+- KL to the reference policy (the base model with the adapter disabled), off by default (beta = 0, as
+  in DAPO / Dr. GRPO and TRL's default). When on: the k3 estimator of Schulman's "Approximating KL
+  divergence" as TRL computes it, kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1, added per token
+  *after* the importance weight: per_token = -min(r A, clip(r) A) * w + beta * kl_t (TRL's order).
+- Statistics (what `LossStats` reports, per masked token): `ratio_*` is pi_theta / mu, the current
+  policy against the volunteer's sampling policy, in every mode (it is what staleness moves; in the
+  "tis-*"/"none" modes the objective's own ratio is 1 by construction); clip fractions split into
+  low (ratio < 1 - epsilon with A < 0) and high (ratio > 1 + epsilon_high with A > 0) against the
+  objective's ratio; IS weight mean and the fraction of tokens whose weight hit the cap.
 
 Everything here is pure tensor math on padded [B, T] tensors so it can be unit-tested against
 hand-computed values (tests/coordinator/test_loss.py).
@@ -29,9 +37,11 @@ hand-computed values (tests/coordinator/test_loss.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
+# torch is imported inside the functions: the coordinator's config (and so `--help`) imports LossConfig.
 
 LossType = Literal["grpo", "dr_grpo", "dapo"]
 Correction = Literal["clip", "tis-token", "tis-sequence", "none"]
@@ -47,6 +57,25 @@ class LossConfig:
     is_cap: float = 2.0
     scale_rewards: ScaleRewards = "group"
     max_completion_length: int = 16  # only used by dr_grpo's constant normaliser
+    beta: float = 0.0  # KL coefficient; 0 = no reference model forward at all
+
+    def validate(self) -> "LossConfig":
+        """Raise ValueError naming the first bad field (the coordinator config wraps it)."""
+        checks = [
+            (self.loss_type in ("grpo", "dr_grpo", "dapo"), "loss_type must be grpo, dr_grpo or dapo"),
+            (self.correction in ("clip", "tis-token", "tis-sequence", "none"),
+             "correction must be clip, tis-token, tis-sequence or none"),
+            (0.0 < self.epsilon < 1.0, "epsilon must be in (0, 1)"),
+            (self.epsilon_high > 0.0, "epsilon_high must be > 0"),
+            (self.is_cap >= 1.0, "is_cap must be >= 1"),
+            (self.scale_rewards in ("group", "none"), "scale_rewards must be group or none"),
+            (self.max_completion_length >= 1, "max_completion_length must be >= 1"),
+            (self.beta >= 0.0, "beta must be >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        return self
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, scale: ScaleRewards = "group",
@@ -56,16 +85,20 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, scale: Scal
     `group_ids[i]` says which group sequence i belongs to; groups may have different sizes.
     std is the unbiased sample std, as in TRL.
     """
-    adv = torch.empty_like(rewards)
-    for g in torch.unique(group_ids):
-        idx = group_ids == g
-        r = rewards[idx]
-        centred = r - r.mean()
-        if scale == "group":
-            std = r.std() if r.numel() > 1 else torch.zeros((), dtype=r.dtype)
-            centred = centred / (std + eps)
-        adv[idx] = centred
-    return adv
+    import torch
+
+    # Vectorised (index_add over group slots): no Python loop over groups.
+    _, slot = torch.unique(group_ids, return_inverse=True)
+    n = int(slot.max()) + 1 if slot.numel() else 0
+    zeros = torch.zeros(n, dtype=rewards.dtype, device=rewards.device)
+    counts = zeros.index_add(0, slot, torch.ones_like(rewards))
+    mean = zeros.index_add(0, slot, rewards) / counts
+    centred = rewards - mean[slot]
+    if scale == "group":
+        var = zeros.index_add(0, slot, centred * centred) / (counts - 1).clamp(min=1)
+        std = torch.where(counts > 1, var.sqrt(), torch.zeros_like(var))
+        centred = centred / (std[slot] + eps)
+    return centred
 
 
 @dataclass
@@ -76,11 +109,27 @@ class LossStats:
     ratio_max: float
     is_weight_mean: float
     is_truncated_fraction: float
+    ratio_min: float = 1.0
+    clip_low_fraction: float = 0.0
+    clip_high_fraction: float = 0.0
+    kl_mean: float = 0.0
+
+    def metrics(self) -> dict[str, float]:
+        """The per-step numbers the coordinator writes to metrics.jsonl."""
+        return {"loss": float(self.loss.detach()), "clip_fraction": self.clip_fraction,
+                "clip_low_fraction": self.clip_low_fraction, "clip_high_fraction": self.clip_high_fraction,
+                "ratio_mean": self.ratio_mean, "ratio_max": self.ratio_max, "ratio_min": self.ratio_min,
+                "is_weight_mean": self.is_weight_mean, "is_truncated_fraction": self.is_truncated_fraction,
+                "kl_mean": self.kl_mean}
 
 
 def grpo_loss(logps: torch.Tensor, sampling_logps: torch.Tensor, advantages: torch.Tensor,
-              mask: torch.Tensor, cfg: LossConfig) -> LossStats:
-    """logps, sampling_logps, mask: [B, T]; advantages: [B]. Returns the scalar loss and statistics."""
+              mask: torch.Tensor, cfg: LossConfig, ref_logps: torch.Tensor | None = None) -> LossStats:
+    """logps, sampling_logps, mask (and ref_logps when cfg.beta > 0): [B, T]; advantages: [B].
+
+    Returns the scalar loss and statistics."""
+    import torch
+
     mask = mask.to(logps.dtype)
     adv = advantages.unsqueeze(1)
     if cfg.correction == "clip":
@@ -103,6 +152,14 @@ def grpo_loss(logps: torch.Tensor, sampling_logps: torch.Tensor, advantages: tor
         truncated = (raw > cfg.is_cap).to(logps.dtype)
     per_token = per_token * weight
 
+    kl = None
+    if cfg.beta > 0.0:
+        if ref_logps is None:
+            raise ValueError("beta > 0 needs ref_logps")
+        delta = (ref_logps - logps) * mask
+        kl = torch.exp(delta) - delta - 1.0
+        per_token = per_token + cfg.beta * kl
+
     n_tokens = mask.sum().clamp(min=1.0)
     if cfg.loss_type == "grpo":
         per_seq = (per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
@@ -115,13 +172,22 @@ def grpo_loss(logps: torch.Tensor, sampling_logps: torch.Tensor, advantages: tor
         raise ValueError(f"unknown loss_type {cfg.loss_type!r}")
 
     with torch.no_grad():
-        is_clipped = ((ratio < 1.0 - cfg.epsilon) & (adv < 0)) | ((ratio > 1.0 + cfg.epsilon_high) & (adv > 0))
+        on = mask > 0
+        low = ((ratio < 1.0 - cfg.epsilon) & (adv < 0) & on).to(mask.dtype).sum() / n_tokens
+        high = ((ratio > 1.0 + cfg.epsilon_high) & (adv > 0) & on).to(mask.dtype).sum() / n_tokens
+        behaviour = torch.exp((logps.detach() - sampling_logps) * mask)[on]
+        if behaviour.numel() == 0:
+            behaviour = torch.ones(1, dtype=logps.dtype, device=logps.device)
         stats = LossStats(
             loss=loss,
-            clip_fraction=float((is_clipped.to(mask.dtype) * mask).sum() / n_tokens),
-            ratio_mean=float((ratio * mask).sum() / n_tokens),
-            ratio_max=float((ratio * mask + (1 - mask) * 0).max()),
+            clip_fraction=float(low + high),
+            ratio_mean=float(behaviour.mean()),
+            ratio_max=float(behaviour.max()),
             is_weight_mean=float((weight * mask).sum() / n_tokens),
             is_truncated_fraction=float((truncated * mask).sum() / n_tokens),
+            ratio_min=float(behaviour.min()),
+            clip_low_fraction=float(low),
+            clip_high_fraction=float(high),
+            kl_mean=float((kl * mask).sum() / n_tokens) if kl is not None else 0.0,
         )
     return stats

@@ -7,6 +7,12 @@ Components (each has one job; none references this hub):
   Ingest      verify + decode + re-score signed rollout batches; bounded queue to the learner
   Learner     GRPO steps on the LoRA adapter; owns the version counter
   RunLog      metrics.jsonl + summary.json in the run directory
+  Journal     (coordinator/journal.py) accepted batches on disk before their ack
+  Checkpointing (coordinator/checkpoint.py) atomic checkpoints every N steps and at exit; --resume
+  Telemetry   (coordinator/telemetry.py) RunLog listener: stats, dashboard + /metrics, plots, trackers
+  AccessControl (coordinator/access.py) open/allowlist, bans, rate limits, quotas, strikes
+  Auditor     (coordinator/audit.py) logprob audit under the claimed adapter version (learner hook)
+  TrustState  (coordinator/trust_state.py) trust.json, replay.bin, access.bin every few seconds
 
 P2P handlers (stream names are scoped by run id): `manifest` (version -> sealed manifest),
 `chunk` (version, index -> bytes), `lease` (sealed LeaseRequest -> LeaseGrant), `submit`
@@ -19,6 +25,7 @@ P2P handlers (stream names are scoped by run id): `manifest` (version -> sealed 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import signal
 import struct
@@ -30,6 +37,7 @@ from asyncrl.coordinator.config import CoordinatorConfig
 from asyncrl.protocol import envelope, limits, messages
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import Identity
+from asyncrl.task_sources import encode_prompt
 
 POINTER_REFRESH_S = 60.0
 
@@ -51,14 +59,18 @@ def resolve_model(model: str) -> tuple[str, str, str]:
 class RunLog:
     """Append-only JSONL metrics (one event per line, flushed) in the run directory."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, listeners=()):
         self.path = path
         self._f = open(path, "a", buffering=1)
         self._lock = threading.Lock()
+        self.listeners = list(listeners)  # fn(event, record) after each line, e.g. Telemetry.observe
 
     def write(self, event: str, **fields) -> None:
         with self._lock:
-            self._f.write(json.dumps({"event": event, "t": time.time(), **fields}) + "\n")
+            record = {"event": event, "t": time.time(), **fields}
+            self._f.write(json.dumps(record) + "\n")
+            for listener in self.listeners:
+                listener(event, record)
 
     def close(self) -> None:
         self._f.close()
@@ -74,7 +86,10 @@ class Coordinator:
         cfg.write(self.run_dir)
         self.identity, created = Identity.load_or_create(self.run_dir / "coordinator.key")
         self.identity.write_libp2p_identity(self.run_dir / "p2p.identity")
-        self.log = RunLog(self.run_dir / "metrics.jsonl")
+        from asyncrl.coordinator.telemetry import Telemetry
+
+        self.telemetry = Telemetry(cfg, self.run_dir, out=out)
+        self.log = RunLog(self.run_dir / "metrics.jsonl", listeners=[self.telemetry.observe])
         self.t0 = time.time()
 
     # ---- start-up ---------------------------------------------------------------------------
@@ -86,9 +101,18 @@ class Coordinator:
         self.node = SwarmNode(host_maddrs=[f"/ip4/{cfg.host}/tcp/{cfg.port}"], announce_maddrs=cfg.announce or None,
                               identity_path=str(self.run_dir / "p2p.identity"))
         assert self.node.peer_id == self.identity.peer_id, "p2pd did not adopt the coordinator key"
+        from asyncrl.swarm_records import PointerRecord, PresenceTracker, install_validator
 
-        from asyncrl import tasks
+        install_validator(self.node, cfg.run_id, self.node.peer_id)  # only our key may write our pointer
+        # Volunteers' version lag; their addresses in peers.json, dialled back after a restart.
+        self.presence_tracker = PresenceTracker(self.node, cfg.run_id, peers_path=self.run_dir / "peers.json")
+        threading.Thread(target=self.presence_tracker.call_back, name="call-back", daemon=True).start()
+        self.presence_tracker.start()
+        self.pointer = PointerRecord(self.node, self.identity, cfg.run_id, peers=self.presence_tracker.serving_peers)
+
+        from asyncrl.coordinator import checkpoint
         from asyncrl.coordinator.ingest import Ingest
+        from asyncrl.coordinator.journal import IngestJournal
         from asyncrl.coordinator.learner import Learner
         from asyncrl.coordinator.publisher import Publisher
         from asyncrl.coordinator.taskboard import TaskBoard
@@ -96,17 +120,57 @@ class Coordinator:
         path, self.base_model, self.base_revision = resolve_model(cfg.model)
         self.lora = messages.LoraSpec(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                                       target_modules=tuple(cfg.lora_targets))
-        self.learner = Learner(path, self.lora, lr=cfg.lr, loss=cfg.loss, max_staleness=cfg.max_staleness, seed=cfg.seed)
+        from asyncrl.coordinator.ddp import make_learner  # a DDP learner under torchrun (coordinator/ddp.py)
+
+        self.learner = make_learner(path, self.lora, lr=cfg.lr, loss=cfg.loss, max_staleness=cfg.max_staleness,
+                                    seed=cfg.seed)
         self.initial_lora = self.learner.lora_parameters()
-        self.board = TaskBoard(tasks.get_task(cfg.task, cfg.seed), lease_timeout_s=cfg.lease_timeout_s,
+        from asyncrl.task_sources import open_source
+
+        source = open_source(cfg.task, seed=cfg.seed, tokenizer=self.learner.tokenizer, chat_template=cfg.chat_template,
+                             prompt_field=cfg.task_prompt_field, answer_field=cfg.task_answer_field,
+                             default_reward=cfg.task_reward)
+        self.board = TaskBoard(source, lease_timeout_s=cfg.lease_timeout_s,
                                max_leases_per_client=cfg.max_leases_per_client)
+        self.journal = IngestJournal(self.run_dir / "journal")
+        from asyncrl.coordinator.access import AccessControl, AccessPolicy
+        from asyncrl.coordinator.audit import Auditor
+
+        self.access = AccessControl(AccessPolicy.from_config(cfg))  # who may talk, how often; strikes, bans
+        self.auditor = Auditor.from_config(cfg, self.learner)  # logprob audit; shares the learner's base weights
         self.ingest = Ingest(identity_public_key=self.identity.public_key, run_id=cfg.run_id, board=self.board,
                              tokenizer=self.learner.tokenizer, vocab_size=self.learner.vocab_size,
                              current_version=lambda: self.learner.version, max_batch_bytes=cfg.max_batch_bytes,
-                             window_s=cfg.timestamp_window_s)
+                             window_s=cfg.timestamp_window_s, journal=self.journal, access=self.access,
+                             auditor=self.auditor, sampling=messages.SamplingParams(
+                                 temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens))
+        self.auditor.attach(self.ingest)
+        self.sync_round = None
+        if cfg.sync:  # the synchronous baseline (benchmarks): coordinator/sync_round.py
+            from asyncrl.coordinator.sync_round import SyncRound
+
+            self.sync_round = SyncRound(self.ingest, self.board, live_s=cfg.lease_timeout_s)
         self.publisher = Publisher(self.identity, run_id=cfg.run_id, base_model=self.base_model,
                                    base_revision=self.base_revision, lora=self.lora,
                                    keyframe_every=cfg.keyframe_every, chunk_bytes=cfg.chunk_bytes)
+        self.gate = checkpoint.Gate()  # lease/submit handlers vs. a checkpoint snapshot
+        self.checkpoints = checkpoint.Checkpointing(
+            self.run_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints, gate=self.gate, learner=self.learner,
+            board=self.board, ingest=self.ingest, journal=self.journal, out=self.out, resume=cfg.resume,
+            held=(lambda: list(self.sync_round._pending)) if self.sync_round is not None else None,
+            identity=checkpoint.identity_meta(run_id=cfg.run_id, base_model=self.base_model,
+                                              base_revision=self.base_revision, lora=self.lora))
+        if cfg.resume:
+            info = self.checkpoints.resume()
+            self.log.write("resume", **info)
+            self.out(f"resumed from {info['checkpoint']} (step {info['from_step']}); publishing v{info['version']}, "
+                     f"{info['replayed_batches']} journalled batches re-queued")
+        from asyncrl.coordinator.trust_state import TrustState
+
+        self.trust = TrustState(self.run_dir, ingest=self.ingest, access=self.access, auditor=self.auditor,
+                                every_s=cfg.trust_state_every_s, out=self.out)
+        self.trust.load()  # replay.bin / access.bin: nonces, batch ids and bans outlive a restart
+        self.trust.start()
         self._serve_handlers()
         self._publish()
         threading.Thread(target=self._refresh_pointer, name="pointer-refresh", daemon=True).start()
@@ -118,61 +182,62 @@ class Coordinator:
         self.out("volunteers join with:")
         for a in addrs:
             self.out(f"  asyncrl-client join {a}")
+        self.out(f"  (or from any volunteer's address: asyncrl-client join <its address> --coordinator {self.node.peer_id})")
+        self.telemetry.start_dashboard(self.snapshot)
         return self.join_address
 
     def _serve_handlers(self) -> None:
         cfg, node = self.cfg, self.node
         loop = node.loops.loop
 
-        async def manifest(request: bytes, peer: str) -> bytes:
-            if len(request) != 8:
-                raise ProtocolError(RejectCode.MALFORMED, "manifest request is a u64 version")
-            pub = self.publisher.get(struct.unpack(">Q", request)[0])
-            if pub is None:
-                raise ProtocolError(RejectCode.STALE_VERSION, "version not held any more")
-            return pub.manifest_bytes
-
-        async def chunk(request: bytes, peer: str) -> bytes:
-            if len(request) != 12:
-                raise ProtocolError(RejectCode.MALFORMED, "chunk request is (u64 version, u32 index)")
-            version, index = struct.unpack(">QI", request)
-            pub = self.publisher.get(version)
-            if pub is None or index >= len(pub.chunks):
-                raise ProtocolError(RejectCode.STALE_VERSION, "chunk not held")
-            return pub.chunks[index]
-
         async def lease(request: bytes, peer: str) -> bytes:
-            return await loop.run_in_executor(None, self._lease, request)
+            return await loop.run_in_executor(None, self.gate.run, self._lease, request, peer)
 
         async def submit(request: bytes, peer: str) -> bytes:
-            ack = await loop.run_in_executor(None, self.ingest.handle, request)
+            ack = await loop.run_in_executor(None, self.gate.run, self.ingest.handle, request, peer)
             return messages.encode(ack)
 
         async def info(request: bytes, peer: str) -> bytes:
             return cfg.run_id.encode()
 
         node.serve("asyncrl.info", info, max_request_bytes=64)
-        node.serve(handler_name(cfg.run_id, "manifest"), manifest, max_request_bytes=64)
-        node.serve(handler_name(cfg.run_id, "chunk"), chunk, max_request_bytes=64)
-        node.serve(handler_name(cfg.run_id, "lease"), lease, max_request_bytes=64 * 1024)
-        node.serve(handler_name(cfg.run_id, "submit"), submit, max_request_bytes=cfg.max_batch_bytes)
+        from asyncrl.adapter_serving import AdapterServer
 
-    def _lease(self, request: bytes) -> bytes:
+        self.adapter_server = AdapterServer(node, cfg.run_id, self.publisher).start()  # manifest + chunk handlers
+        node.serve(handler_name(cfg.run_id, "lease"), lease, max_request_bytes=64 * 1024, admit=self.access.admit_peer)
+        node.serve(handler_name(cfg.run_id, "submit"), submit, max_request_bytes=cfg.max_batch_bytes,
+                   admit=self.access.admit_peer)
+
+    def _lease(self, request: bytes, peer: str = "") -> bytes:
+        try:
+            return self._grant(request)
+        except ProtocolError as exc:  # unattributable garbage strikes the transport peer (coordinator/access.py)
+            self.access.on_reject(exc.code, signer=None, peer=peer)
+            raise
+
+    def _grant(self, request: bytes) -> bytes:
+        if len(request) > envelope.HEADER_BYTES and request[:4] == envelope.MAGIC:
+            self.access.check_signer(bytes(request[4:36]))  # banned / not allowed: before the signature check
         opened = envelope.open_envelope(request, max_bytes=64 * 1024, expected_kind="lease_request",
                                         expected_audience=self.identity.public_key,
                                         window_s=self.cfg.timestamp_window_s)
+        self.access.admit_identity(opened.signer)  # per-key rate, first-contact rate, quota
         req = messages.decode(opened.payload, messages.LeaseRequest, max_bytes=64 * 1024)
         if req.run_id != self.cfg.run_id:
             raise ProtocolError(RejectCode.WRONG_RUN, f"this coordinator runs {self.cfg.run_id!r}")
         with self.ingest.lock:
             queued = self.ingest.queued_groups
         room = self.cfg.max_inflight_groups - queued - self.board.counts()["outstanding"]
-        grants = self.board.lease(opened.signer, max(0, min(req.max_prompts, self.cfg.prompts_per_lease, room)))
-        sampling = messages.SamplingParams(temperature=self.cfg.temperature, max_new_tokens=self.cfg.max_new_tokens)
+        if self.sync_round is not None:  # one grant per live volunteer per version, no back-pressure needed
+            grants = self.sync_round.lease(opened.signer, req.adapter_version, self.learner.version,
+                                           min(req.max_prompts, self.cfg.prompts_per_lease))
+        else:
+            grants = self.board.lease(opened.signer, max(0, min(req.max_prompts, self.cfg.prompts_per_lease, room)))
+        sampling = self.ingest.sampling  # ingest refuses batches claiming anything else
         tok = self.learner.tokenizer
         leases = tuple(messages.TaskLease(
             lease_id=g.lease_id, prompt_id=g.prompt.prompt_id, prompt=g.prompt.text,
-            prompt_token_ids=_int32_bytes(tok(g.prompt.text)["input_ids"]), answer=g.prompt.answer,
+            prompt_token_ids=_int32_bytes(encode_prompt(tok, g.prompt.text)), answer=g.prompt.answer,
             reward=g.prompt.reward, group_size=self.cfg.group_size, sampling=sampling, expires_at=g.expires_at)
             for g in grants)
         with self.ingest.lock:
@@ -182,23 +247,29 @@ class Coordinator:
 
     # ---- publishing -------------------------------------------------------------------------
     def _publish(self) -> None:
-        from asyncrl.coordinator.publisher import POINTER_TTL_S, pointer_key
         from asyncrl.lora import export_lora
 
+        from asyncrl.coordinator.checkpoint import record_published
+
         specs, blobs = export_lora(self.learner.model, self.cfg.publish_dtype)
+        self.auditor.remember_published(self.learner.version, specs, blobs, self.learner.steps)
+        record_published(self.run_dir, self.learner.version)  # before any volunteer can see it: --resume goes above
         pub = self.publisher.publish(self.learner.version, specs, blobs)
-        self.node.store(pointer_key(self.cfg.run_id), pub.pointer_bytes, POINTER_TTL_S)
+        from asyncrl.transport import TransportError
+
+        try:
+            self.pointer.store(pub.pointer_bytes)
+        except TransportError as exc:  # the refresh thread stores it again; never stall the learner loop
+            self.out(f"warning: pointer not stored: {exc}")
         self.log.write("publish", version=pub.version, codec=pub.codec, compressed_bytes=pub.compressed_bytes,
                        raw_bytes=pub.raw_bytes)
 
     def _refresh_pointer(self) -> None:
-        from asyncrl.coordinator.publisher import POINTER_TTL_S, pointer_key
-
         while not self.stop.wait(POINTER_REFRESH_S):
             latest = self.publisher.latest
             if latest is not None:
                 try:
-                    self.node.store(pointer_key(self.cfg.run_id), latest.pointer_bytes, POINTER_TTL_S)
+                    self.pointer.refresh(latest.pointer_bytes)  # re-sealed: a fresh timestamp bounds its expiry
                 except Exception as exc:  # keep refreshing; the DHT may be briefly unhappy
                     self.out(f"warning: pointer refresh failed: {exc}")
 
@@ -207,14 +278,18 @@ class Coordinator:
         cfg = self.cfg
         logged = 0
         while not self.stop.is_set() and (cfg.max_steps == 0 or self.learner.steps < cfg.max_steps):
-            items = self.ingest.take(cfg.groups_per_step, max_wait_s=cfg.max_wait_s, min_groups=cfg.min_groups,
-                                     stop=self.stop)
+            if self.sync_round is not None:
+                items = self.sync_round.take(self.learner.version, self.stop)
+            else:
+                items = self.ingest.take(cfg.groups_per_step, max_wait_s=cfg.max_wait_s, min_groups=cfg.min_groups,
+                                         stop=self.stop)
             with self.ingest.lock:
                 new = self.ingest.accepted_log[logged:]
                 logged = len(self.ingest.accepted_log)
             for b in new:
                 self.log.write("batch", client=b.client, version=b.version, reward_mean=b.reward_mean,
-                               groups=len(b.groups), staleness=self.learner.version - b.version)
+                               groups=len(b.groups), staleness=self.learner.version - b.version,
+                               batch_id=b.batch_id.hex(), prompt_ids=list(b.prompt_ids))
             if not items:
                 continue
             groups = [g for item in items for g in item.groups]
@@ -222,19 +297,31 @@ class Coordinator:
             stale_dropped = len(groups) - (result.groups_used if result else 0)
             if stale_dropped:
                 self.board.mark_dropped(stale_dropped)
+            batch_ids = [item.batch_id.hex() for item in items]  # consumed exactly once (tests check this)
             if result is None:
-                self.log.write("dropped", groups=stale_dropped, reason="stale")
+                self.log.write("dropped", groups=stale_dropped, reason="stale", batch_ids=batch_ids)
                 continue
+            self.board.mark_trained(result.groups_used)
+            self.auditor.stats["learner_seconds"] += result.seconds  # the audit's cost is reported against this
             self.log.write("step", step=self.learner.steps, version=self.learner.version, loss=result.loss,
                            reward_mean=result.reward_mean, groups=result.groups_used, dropped_stale=stale_dropped,
                            staleness=result.staleness, clip_fraction=result.clip_fraction,
-                           ratio_mean=result.ratio_mean, seconds=result.seconds)
+                           ratio_mean=result.ratio_mean, seconds=result.seconds,
+                           **{k: v for k, v in result.metrics.items() if k not in ("loss", "clip_fraction", "ratio_mean")},
+                           tokens=result.tokens, clients=sorted({item.client for item in items}),
+                           dropped_total=self.board.counts()["dropped"], batch_ids=batch_ids)
             if self.learner.steps % cfg.publish_every == 0:
                 self.learner.version += 1
                 self._publish()
+            if self.checkpoints.after_step():
+                self.log.write("checkpoint", step=self.learner.steps, version=self.learner.version,
+                               seconds=self.checkpoints.seconds)
             if self.learner.steps % 10 == 0:
                 self.out(f"step {self.learner.steps:4d}  v{self.learner.version:<4d} reward {result.reward_mean:.3f}  "
                          f"loss {result.loss:+.4f}  groups {result.groups_used}  clients {len(self.ingest.clients)}")
+        if self.checkpoints.final():  # max_steps reached, or SIGTERM/SIGINT set self.stop
+            self.log.write("checkpoint", step=self.learner.steps, version=self.learner.version, final=True,
+                           seconds=self.checkpoints.seconds)
         return self.summary()
 
     def summary(self) -> dict:
@@ -258,17 +345,45 @@ class Coordinator:
             "reward_first": mean([b.reward_mean for b in log[:k]]),
             "reward_last": mean([b.reward_mean for b in log[-k:]]),
             "lora_delta_norm": delta,
-            "leases": self.board.counts(),
+            **self._lease_books(),
             "wall_s": time.time() - self.t0,
             "torch_threads": torch.get_num_threads(),
+            "presence": self.presence(),  # each volunteer's announced adapter version and lag
+            "adapter_uplink": {"bytes_sent": self.adapter_server.stats.bytes_sent,
+                               "chunks_sent": self.adapter_server.stats.chunks_sent,
+                               "manifests_sent": self.adapter_server.stats.manifests_sent},
         }
         tmp = self.run_dir / "summary.json.tmp"
         tmp.write_text(json.dumps(summary, indent=2))
         tmp.replace(self.run_dir / "summary.json")
         return summary
 
+    def presence(self) -> list[dict]:
+        """Volunteers' presence records (DHT): name, peer id, adapter version, lag, throughput, last seen."""
+        tracker = getattr(self, "presence_tracker", None)
+        return tracker.snapshot(self.learner.version) if tracker is not None else []
+
+    def _lease_books(self) -> dict:
+        """The task board's counters and their balance, at one instant (no lease/submit in flight)."""
+        with self.gate.closed():
+            return {"leases": self.board.counts(), "leases_balanced": self.board.balanced(self.ingest.queued_groups)}
+
+    def snapshot(self) -> dict:
+        """Read-only status for the dashboard, /metrics and `asyncrl-coordinator status`; no secrets."""
+        with self.ingest.lock:
+            clients = [dataclasses.asdict(st) for st in self.ingest.clients.values()]
+            queued = self.ingest.queued_groups
+        identity = {"fingerprint": self.identity.fingerprint, "peer_id": self.identity.peer_id,
+                    "join_address": getattr(self, "join_address", None), "model": self.base_model}
+        return self.telemetry.snapshot_part(version=self.learner.version, steps=self.learner.steps, clients=clients,
+                                            leases=self.board.counts(), queued_groups=queued, identity=identity,
+                                            presence=self.presence())
+
     def shutdown(self) -> None:
         self.stop.set()
+        self.telemetry.close()  # dashboard down, final reward.png, trackers closed; never raises
+        if getattr(self, "trust", None) is not None:
+            self.trust.stop()  # last trust.json / replay.bin
         try:
             self.node.shutdown()
         finally:
@@ -282,8 +397,6 @@ def _int32_bytes(ids) -> bytes:
 
 
 def install_signal_handlers(stop: threading.Event) -> None:
-    def handler(signum, frame):
-        stop.set()
+    from asyncrl import signals
 
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
+    signals.install(lambda signum: stop.set())

@@ -2,9 +2,13 @@
 
 The coordinator chooses prompts (volunteers cannot cherry-pick easy ones). A lease expires after
 `lease_timeout_s`; its prompt then goes back to the front of the queue and is leased to someone else
-("re-leased"). Invariant, checked by `counts()`: every prompt ever leased is exactly one of
-outstanding, completed (its group was accepted), requeued-and-waiting, or dropped — none vanishes.
+("re-leased"). Invariant, checked by `balanced()` (and written into summary.json): every lease grant
+is outstanding, completed (its group was accepted) or expired; every expired lease's prompt was
+re-leased or still waits in the requeue; every completed group was trained, explicitly dropped
+(e.g. stale) or still waits in the learner's queue — none vanishes.
 Thread-safe: the P2P loop leases and completes, the learner loop only reads counters.
+Resumable: `state()` / `restore()` round-trip the outstanding leases, the requeue, the counters and the
+prompt source's position (JSON; coordinator/checkpoint.py stores it).
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ class TaskBoard:
         self.completed = 0       # groups accepted
         self.expired = 0         # leases that timed out (their prompt was requeued)
         self.dropped = 0         # groups explicitly dropped (e.g. stale) after acceptance
+        self.released = 0        # grants of a requeued (expired) prompt to someone else
+        self.trained = 0         # accepted groups the learner trained on
+        self._skip: set[str] = set()  # prompt ids settled by a journal replay before the source reached them
         self._seq = itertools.count()
 
     def lease(self, client: bytes, max_prompts: int) -> list[Lease]:
@@ -55,7 +62,14 @@ class TaskBoard:
             n = max(0, min(max_prompts, self.max_leases_per_client - held))
             out = []
             for _ in range(n):
-                prompt = self._requeued.popleft() if self._requeued else next(self._source)
+                if self._requeued:
+                    prompt = self._requeued.popleft()
+                    self.released += 1
+                else:
+                    prompt = next(self._source)
+                    while prompt.prompt_id in self._skip:
+                        self._skip.discard(prompt.prompt_id)
+                        prompt = next(self._source)
                 lease = Lease(f"{next(self._seq)}-{secrets.token_hex(4)}", prompt, client,
                               self._clock() + self.lease_timeout_s)
                 self._outstanding[lease.lease_id] = lease
@@ -87,9 +101,82 @@ class TaskBoard:
                 raise LeaseRejected(f"lease {lease_id} belongs to another volunteer")
             return lease
 
+    def abandon(self, lease_ids, client: bytes) -> int:
+        """The holder's batch for these leases was refused: end them now, as if they had expired (their
+        prompts go back to the front of the queue). Unknown ids and other clients' leases are ignored."""
+        with self._lock:
+            gone = [lid for lid in lease_ids if lid in self._outstanding and self._outstanding[lid].client == client]
+            for lid in gone:
+                self._requeued.appendleft(self._outstanding.pop(lid).prompt)
+            self.expired += len(gone)
+            return len(gone)
+
     def mark_dropped(self, n: int = 1) -> None:
         with self._lock:
             self.dropped += n
+
+    def mark_trained(self, n: int = 1) -> None:
+        with self._lock:
+            self.trained += n
+
+    def balanced(self, queued_groups: int) -> bool:
+        """The books balance: see the module docstring. `queued_groups`: accepted but not yet trained."""
+        c = self.counts()
+        return (c["leased"] == c["completed"] + c["expired"] + c["outstanding"]
+                and c["expired"] == c["released"] + c["requeued_waiting"]
+                and c["completed"] == c["trained"] + c["dropped"] + queued_groups)
+
+    def settle_replayed(self, prompt_id: str) -> None:
+        """A group accepted before a crash but after the checkpoint came back from the ingest journal:
+        account for it as completed, wherever the restored board thinks its prompt is."""
+        with self._lock:
+            for lid, lease in self._outstanding.items():
+                if lease.prompt.prompt_id == prompt_id:
+                    del self._outstanding[lid]
+                    self.completed += 1
+                    return
+            for i, prompt in enumerate(self._requeued):
+                if prompt.prompt_id == prompt_id:
+                    del self._requeued[i]
+                    self.released += 1
+                    break
+            else:
+                self._skip.add(prompt_id)  # leased after the checkpoint: the source must not hand it out again
+            self.leased += 1
+            self.completed += 1
+
+    def state(self) -> dict:
+        """JSON-able snapshot (client keys hex-encoded)."""
+        with self._lock:
+            source_state = self._source.state() if hasattr(self._source, "state") else None
+            return {
+                "format": 1,
+                "outstanding": [{"lease_id": l.lease_id, "prompt": _prompt_dict(l.prompt), "client": l.client.hex(),
+                                 "expires_at": l.expires_at} for l in self._outstanding.values()],
+                "requeued": [_prompt_dict(p) for p in self._requeued],
+                "counters": {k: getattr(self, k) for k in _COUNTERS},
+                "skip": sorted(self._skip),
+                "seq": next(self._seq),
+                "source": source_state,
+            }
+
+    def restore(self, state: dict) -> None:
+        """Inverse of `state()`. Restored leases get a fresh timeout: the volunteers holding them could not
+        deliver while the coordinator was down, and a batch for a checkpointed lease must still be accepted."""
+        with self._lock:
+            if state.get("source") is not None:
+                if not hasattr(self._source, "restore"):
+                    raise ValueError("the checkpoint holds a task position but this task source is not resumable")
+                self._source.restore(state["source"])
+            fresh = self._clock() + self.lease_timeout_s
+            self._outstanding = {d["lease_id"]: Lease(d["lease_id"], Prompt(**d["prompt"]), bytes.fromhex(d["client"]),
+                                                      max(float(d["expires_at"]), fresh))
+                                 for d in state["outstanding"]}
+            self._requeued = deque(Prompt(**d) for d in state["requeued"])
+            for k in _COUNTERS:
+                setattr(self, k, int(state["counters"].get(k, 0)))
+            self._skip = set(state.get("skip", ()))
+            self._seq = itertools.count(int(state["seq"]))
 
     def expire(self) -> int:
         with self._lock:
@@ -107,4 +194,11 @@ class TaskBoard:
         with self._lock:
             return {"leased": self.leased, "completed": self.completed, "expired": self.expired,
                     "dropped": self.dropped, "outstanding": len(self._outstanding),
-                    "requeued_waiting": len(self._requeued)}
+                    "requeued_waiting": len(self._requeued), "released": self.released, "trained": self.trained}
+
+
+_COUNTERS = ("leased", "completed", "expired", "dropped", "released", "trained")
+
+
+def _prompt_dict(p: Prompt) -> dict:
+    return {"prompt_id": p.prompt_id, "text": p.text, "answer": p.answer, "reward": p.reward}

@@ -13,6 +13,7 @@ Who owns what:
                TaskLease, RolloutBatch, Ack, ...), encode/decode with size caps, semantic validators.
   envelope.py  seal/open_envelope (sign exact bytes, verify before decoding) and ReplayGuard.
   codec.py     adapter tensor codec (keyframes and deltas, chunking).
+  swarm.py     DHT swarm records: pointer/presence keys, who may write them, which pointer is newer.
 
 Exception tree (flat on purpose: branch on `.code`)::
 

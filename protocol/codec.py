@@ -10,26 +10,33 @@ Two codecs (docs/codec.md has the measurements behind every choice):
   the encoder picks (by mean exponent, so LoRA A and B matrices form two homogeneous runs), each
   word is rotated left by one bit (the sign moves to bit 0, so the top byte of a bf16/fp32 word is
   exactly its exponent), the words are split into byte planes, and each plane is one zstd frame.
-  The exponent plane compresses to ~2.7 bits/word, the sign+mantissa plane is incompressible.
+  The exponent plane compresses to ~2.8 bits/word; the sign+mantissa plane is incompressible.
 
 * ``DELTA_CODEC`` ("delta-zz-planes-zstd-v1"). Against the parent version: d = (cur - parent) mod
-  2^bits on the raw bit patterns, zigzag-encoded (so +-1 ULP -> 2/1). The size of d is governed by
-  the parent's exponent (an Adam step of ~lr is many ULPs of a small weight and a fraction of an ULP
-  of a large one), and the decoder holds the parent, so elements are partitioned into up to
-  ``MAX_CLASSES`` classes by contiguous ranges of the parent's exponent (the encoder chooses the
-  ranges and writes them in the header). Each class is coded separately (its own zstd frames, so
-  its own entropy tables) in whichever layout is smaller: byte planes, or "bit fields" (bits 0, 1,
-  2-3 and 4-7 packed across 8/4/2 elements per byte, then the remaining byte planes) which lets
-  zstd's byte-oriented Huffman coder get below one bit per element on classes that barely move.
+  2^bits on the raw bit patterns, zigzag-encoded (+-1 ULP -> 2/1, 0 -> 0). How big d is depends on
+  the parent's exponent (an Adam step of ~lr is many ULPs of a small weight and a fraction of an
+  ULP of a large one) and the decoder holds the parent, so the parent's exponent is free context:
+  tensors are ordered by mean parent exponent and cut into at most two *segments* (LoRA A vs B),
+  and each segment's elements are partitioned into up to ``MAX_CLASSES`` *classes* by contiguous
+  ranges of the parent's exponent (bounds chosen by the encoder, written in the header). Each class
+  is coded on its own (own zstd frames, so own entropy tables) in whichever layout is smaller: byte
+  planes, or "bit fields" (bits 0, 1, 2-3 and 4-7 packed across 8/4/2 elements per byte, then the
+  remaining byte planes), which lets zstd's byte-wise Huffman coder go below one bit per element on
+  classes that barely move.
 
 Payload layout (all integers little-endian)::
 
     magic "ACDC" | u8 format (=1) | u8 kind (0 keyframe, 1 delta) | u32 crc32 | u8 ngroups
-    per group:  u8 dtype (0 bf16, 1 fp16, 2 fp32) | u32 ntensors | u32 x ntensors  tensor order
-                (indices into the spec list) | u8 nclasses | u16 x (nclasses-1) class lower bounds
-                (parent exponent; delta only, a keyframe has exactly one class)
-                per class: u8 layout (0 byte planes, 1 bit fields) | u32 x nplanes frame lengths
-    frames: one zstd frame per plane, in header order; nothing may follow them.
+    group   := u8 dtype (0 bf16, 1 fp16, 2 fp32) | u32 ntensors | u32 x ntensors tensor order
+               (indices into the spec list; groups in dtype order bf16, fp16, fp32) | u8 nsegments
+    segment := u32 ntensors (the next ones in the order) | u8 nclasses (a keyframe: 1; at most 16)
+               | u16 x (nclasses - 1) lower exponent bound of classes 1.. (strictly increasing)
+    class   := u8 layout (0 byte planes, 1 bit fields) | u32 x nplanes frame lengths
+               (byte planes: itemsize planes, least significant first; bit fields: 5 planes for
+               16-bit words, 7 for 32-bit; a class's elements are the segment's elements whose
+               parent exponent lies in its range, in their original order)
+    frames  := one zstd frame per plane (each declaring its content size), in header order; nothing
+               may follow them.
 
 crc32 is over the decoded tensors' bytes in spec order; it catches a delta applied to the wrong
 (same-shaped) parent, which would otherwise decode to garbage silently.
@@ -67,6 +74,7 @@ __all__ = [
     "encode_keyframe",
     "encode_delta",
     "decode",
+    "describe",
     "raw_size",
     "split_chunks",
     "chunk_hashes",
@@ -82,10 +90,17 @@ CODECS = (KEYFRAME_CODEC, DELTA_CODEC)
 DEFAULT_LEVEL = 1
 # Delta context classes: more classes compress better (diminishing after ~10) but each costs the
 # decoder one pass over the group to find its members.
-MAX_CLASSES = 6
+MAX_CLASSES = 4
 # A class smaller than this is merged into a neighbour (frame overhead, Huffman table warm-up).
 MIN_CLASS_ELEMS = 16384
 MIN_CLASS_FRACTION = 1 / 128
+# The decoder refuses more classes per segment than this (each costs it a pass over the segment).
+MAX_DECODE_CLASSES = 16
+# Keep merging classes while the cheapest merge costs less than this many bits per element of
+# the segment (by the entropy proxy): a class must pay for the decoder's pass over the segment.
+MERGE_TOL_BITS = 0.01
+# Split a group into two segments only if their mean exponents differ by this many binades.
+SEGMENT_MIN_GAP = 2.0
 
 _MAGIC = b"ACDC"
 _FORMAT = 1
@@ -210,21 +225,31 @@ def _exponent(w: np.ndarray, dt: _Dtype) -> np.ndarray:
     return e.astype(np.uint8)
 
 
-def _class_members(e: np.ndarray, bounds: Sequence[int]) -> list[np.ndarray | None]:
-    """Element indices of each class (contiguous exponent ranges); [None] means 'all elements'."""
-    if not bounds:
-        return [None]
-    edges = [0, *bounds, 256]
-    out = []
-    for lo, hi in zip(edges[:-1], edges[1:]):
-        if lo == 0:
-            mask = e < hi
-        elif hi == 256:
-            mask = e >= lo
-        else:
-            mask = (e >= lo) & (e < hi)
-        out.append(np.flatnonzero(mask))
-    return out
+def _class_mask(e: np.ndarray, bounds: Sequence[int], k: int) -> np.ndarray:
+    """Boolean mask of class k: bounds[k-1] <= e < bounds[k] (open-ended at both ends)."""
+    if k == 0:
+        return e < np.uint8(bounds[0])
+    if k == len(bounds):
+        return e >= np.uint8(bounds[-1])
+    mask = e >= np.uint8(bounds[k - 1])
+    mask &= e < np.uint8(bounds[k])
+    return mask
+
+
+# The decoder scatters classes back chunk by chunk, so its temporary index arrays stay <= 8 MiB
+# however big the adapter (same speed as whole segments; less memory and fewer page faults).
+_SCATTER_CHUNK = 1 << 20
+
+
+def _scatter_classes(out: np.ndarray, e: np.ndarray, bounds: Sequence[int], streams: list[np.ndarray]) -> None:
+    """out[i] = next unused element of streams[class of e[i]], i in increasing order."""
+    pos = [0] * len(streams)
+    for c0 in range(0, out.size, _SCATTER_CHUNK):
+        ec, oc = e[c0 : c0 + _SCATTER_CHUNK], out[c0 : c0 + _SCATTER_CHUNK]
+        for k, stream in enumerate(streams):
+            idx = np.flatnonzero(_class_mask(ec, bounds, k))
+            oc[idx] = stream[pos[k] : pos[k] + idx.size]
+            pos[k] += idx.size
 
 
 _BITLEN16 = np.zeros(1 << 16, np.uint8)
@@ -271,14 +296,13 @@ def _choose_bounds(e: np.ndarray, words: np.ndarray, max_classes: int) -> list[i
     while len(groups) > 1:
         sizes = [int(g[1].sum()) for g in groups]
         small = [i for i, sz in enumerate(sizes) if sz < min_size]
-        if len(groups) <= max_classes and not small:
-            break
         if small:
             i = min(small, key=lambda j: sizes[j])
-            cands = [j for j in (i - 1, i) if 0 <= j < len(groups) - 1]
+            j = min((j for j in (i - 1, i) if 0 <= j < len(groups) - 1), key=cost)
         else:
-            cands = range(len(groups) - 1)
-        j = min(cands, key=cost)
+            j = min(range(len(groups) - 1), key=cost)
+            if len(groups) <= max_classes and cost(j) >= MERGE_TOL_BITS * n:
+                break
         groups[j][1] = groups[j][1] + groups[j + 1][1]
         del groups[j + 1]
     return [g[0] for g in groups[1:]]
@@ -374,6 +398,34 @@ def _crc(infos, tensors: Mapping[str, Any]) -> int:
 # --------------------------------------------------------------------------------------- encoder
 
 
+def _order_and_segments(
+    parts: dict[int, np.ndarray], idx: list[int], dt: _Dtype, split: bool
+) -> tuple[list[int], list[int]]:
+    """Tensor order (by mean exponent, so similar-magnitude tensors are adjacent: LoRA A and B
+    matrices differ by ~6 binades) and, if `split`, a cut into two segments at the tensor boundary
+    that best separates the two populations (Otsu on the size-weighted per-tensor mean exponent)."""
+    sizes = {i: parts[i].size for i in idx}
+    means = {i: float(_exponent(parts[i], dt).mean()) if sizes[i] else 0.0 for i in idx}
+    order = sorted(idx, key=lambda i: (means[i], i))
+    n = sum(sizes.values())
+    min_seg = 2 * max(MIN_CLASS_ELEMS, int(n * MIN_CLASS_FRACTION))
+    if not split or n < 2 * min_seg:
+        return order, [len(order)]
+    w = np.array([sizes[i] for i in order], dtype=np.float64)
+    m = np.array([means[i] for i in order])
+    cw, cm = np.cumsum(w), np.cumsum(w * m)
+    best, cut = 0.0, 0
+    for j in range(1, len(order)):
+        w1, w2 = cw[j - 1], n - cw[j - 1]
+        if w1 < min_seg or w2 < min_seg:
+            continue
+        gap = cm[j - 1] / w1 - (cm[-1] - cm[j - 1]) / w2
+        score = w1 * w2 * gap * gap
+        if score > best and abs(gap) >= SEGMENT_MIN_GAP:
+            best, cut = score, j
+    return order, ([cut, len(order) - cut] if cut else [len(order)])
+
+
 def _encode(
     kind: int,
     specs: Sequence[Any],
@@ -397,31 +449,39 @@ def _encode(
         dt = _DTYPES[dtname]
         cur_parts = {i: _words(tensors[infos[i][0]], dt, infos[i][2], infos[i][0], untrusted=False) for i in idx}
         if kind == _KIND_KEYFRAME:
-            # Order tensors by mean exponent: A and B matrices (different magnitudes) form runs.
-            means = [float(_exponent(cur_parts[i], dt).mean()) if infos[i][2] else 0.0 for i in idx]
-            order = [idx[j] for j in np.argsort(np.array(means), kind="stable")]
+            order, seg_counts = _order_and_segments(cur_parts, idx, dt, split=False)
+            words = _rotl1(np.concatenate([cur_parts[i] for i in order]), dt.bits)
+            e = None
         else:
-            order = list(idx)
-        cur = np.concatenate([cur_parts[i] for i in order]) if order else np.zeros(0, dt.word)
-        if kind == _KIND_KEYFRAME:
-            words = _rotl1(cur, dt.bits)
-            bounds: list[int] = []
-            members: list[np.ndarray | None] = [None]
-        else:
-            par = np.concatenate(
-                [_words(parent[infos[i][0]], dt, infos[i][2], "parent " + infos[i][0], untrusted=False) for i in order]
-            )
-            words = _zigzag(cur - par, dt.bits)
+            par_parts = {
+                i: _words(parent[infos[i][0]], dt, infos[i][2], "parent " + infos[i][0], untrusted=False) for i in idx
+            }
+            order, seg_counts = _order_and_segments(par_parts, idx, dt, split=max_classes > 1)
+            par = np.concatenate([par_parts[i] for i in order])
+            words = _zigzag(np.concatenate([cur_parts[i] for i in order]) - par, dt.bits)
             e = _exponent(par, dt)
-            bounds = _choose_bounds(e, words, max_classes)
-            members = _class_members(e, bounds)
-        header += struct.pack(f"<BI{len(order)}I", dt.code, len(order), *order)
-        header += struct.pack(f"<B{len(bounds)}H", len(members), *bounds)
-        for m in members:
-            wk = words if m is None else words[m]
-            layout, fr = _compress_class(wk, dt, cctx, try_fields=kind == _KIND_DELTA)
-            header += struct.pack(f"<B{len(fr)}I", layout, *(len(f) for f in fr))
-            frames.extend(fr)
+        header += struct.pack(f"<BI{len(order)}IB", dt.code, len(order), *order, len(seg_counts))
+        off = t = 0
+        for cnt in seg_counts:
+            n_seg = sum(infos[i][2] for i in order[t : t + cnt])
+            t += cnt
+            w_seg = words[off : off + n_seg]
+            if e is None:
+                bounds: list[int] = []
+                members: list[np.ndarray | None] = [None]
+            else:
+                e_seg = e[off : off + n_seg]
+                bounds = _choose_bounds(e_seg, w_seg, max_classes)
+                members = (
+                    [np.flatnonzero(_class_mask(e_seg, bounds, k)) for k in range(len(bounds) + 1)] if bounds else [None]
+                )
+            off += n_seg
+            header += struct.pack(f"<IB{len(bounds)}H", cnt, len(members), *bounds)
+            for m in members:
+                wk = w_seg if m is None else w_seg[m]
+                layout, fr = _compress_class(wk, dt, cctx, try_fields=kind == _KIND_DELTA)
+                header += struct.pack(f"<B{len(fr)}I", layout, *(len(f) for f in fr))
+                frames.extend(fr)
     return bytes(header) + b"".join(frames)
 
 
@@ -438,10 +498,13 @@ def encode_delta(
     level: int = DEFAULT_LEVEL,
     max_classes: int = MAX_CLASSES,
 ) -> bytes:
-    """Payload that turns `parent` (same specs) into `tensors`; decode needs that exact parent."""
+    """Payload that turns `parent` (same specs) into `tensors`; decode needs that exact parent.
+
+    `max_classes` (1..16) bounds the exponent classes per segment: more compress a little better
+    and cost the decoder one pass over the segment each; 1 also disables the A/B segment split."""
     if parent is None:
         raise ValueError("encode_delta needs a parent")
-    return _encode(_KIND_DELTA, specs, tensors, parent, level, max_classes)
+    return _encode(_KIND_DELTA, specs, tensors, parent, level, max(1, min(int(max_classes), MAX_DECODE_CLASSES)))
 
 
 # --------------------------------------------------------------------------------------- decoder
@@ -480,6 +543,91 @@ def _unzstd(dctx: zstd.ZstdDecompressor, frame: memoryview, expected: int, max_r
     if len(out) != expected:
         raise _malformed(f"zstd frame produced {len(out)} bytes, expected {expected}")
     return out
+
+
+def _parse_header(buf: memoryview) -> tuple[int, int, list, int]:
+    """(kind, crc32, [(dtype, order, [(ntensors, bounds, [(layout, frame lengths)])])], frames offset).
+
+    Checks everything that does not need the specs, including that the frame lengths add up to
+    exactly the rest of the payload."""
+    rd = _Reader(buf)
+    magic, fmt, kind, crc, ngroups = rd.unpack("<4sBBIB")
+    if magic != _MAGIC or fmt != _FORMAT:
+        raise _malformed("not an adapter codec payload (magic/format)")
+    if kind not in (_KIND_KEYFRAME, _KIND_DELTA):
+        raise _malformed(f"unknown payload kind {kind}")
+    groups, frame_bytes = [], 0
+    for _ in range(ngroups):
+        code, ntens = rd.unpack("<BI")
+        if code not in _BY_CODE:
+            raise _malformed(f"unknown dtype code {code}")
+        dt = _DTYPES[_BY_CODE[code]]
+        if ntens > len(buf):  # each tensor takes 4 header bytes: refuse absurd counts before reading
+            raise _malformed(f"tensor count {ntens} exceeds the payload")
+        order = list(rd.unpack(f"<{ntens}I"))
+        (nseg,) = rd.unpack("<B")
+        segments, t = [], 0
+        for _ in range(nseg):
+            cnt, ncls = rd.unpack("<IB")
+            if cnt < 1 or t + cnt > ntens:
+                raise _malformed(f"bad segment size {cnt}")
+            t += cnt
+            if ncls < 1 or ncls > MAX_DECODE_CLASSES or (kind == _KIND_KEYFRAME and ncls != 1):
+                raise _malformed(f"bad class count {ncls}")
+            bounds = list(rd.unpack(f"<{ncls - 1}H"))
+            if any(b < 1 or b > dt.exp_mask for b in bounds) or any(x >= y for x, y in zip(bounds, bounds[1:])):
+                raise _malformed(f"bad class bounds {bounds}")
+            classes = []
+            for _ in range(ncls):
+                (layout,) = rd.unpack("<B")
+                if layout not in (_LAYOUT_BYTES, _LAYOUT_FIELDS):
+                    raise _malformed(f"unknown plane layout {layout}")
+                nplanes = dt.itemsize if layout == _LAYOUT_BYTES else len(_FIELDS[dt.bits])
+                lens = rd.unpack(f"<{nplanes}I")
+                frame_bytes += sum(lens)
+                classes.append((layout, lens))
+            segments.append((cnt, bounds, classes))
+        if t != ntens:
+            raise _malformed("segments do not cover the group's tensors")
+        groups.append((_BY_CODE[code], order, segments))
+    if rd.pos + frame_bytes != len(buf):
+        raise _malformed("frame lengths do not add up to the payload size")
+    return kind, crc, groups, rd.pos
+
+
+def describe(payload: bytes) -> dict:
+    """Human/bench-readable summary of a payload's structure (kind, per dtype group: segments,
+    their exponent class bounds, and each class's layout and compressed bytes).
+    Raises ProtocolError(MALFORMED) for anything that is not a well-formed payload header."""
+    try:
+        kind, crc, groups, start = _parse_header(memoryview(payload).cast("B"))
+    except ProtocolError:
+        raise
+    except Exception as exc:
+        raise _malformed(f"undecodable adapter payload ({type(exc).__name__}: {exc})") from None
+    return {
+        "kind": "keyframe" if kind == _KIND_KEYFRAME else "delta",
+        "crc32": crc,
+        "header_bytes": start,
+        "groups": [
+            {
+                "dtype": dtname,
+                "tensors": len(order),
+                "segments": [
+                    {
+                        "tensors": cnt,
+                        "class_bounds": bounds,
+                        "classes": [
+                            {"layout": "bytes" if lay == _LAYOUT_BYTES else "fields", "bytes": sum(lens)}
+                            for lay, lens in classes
+                        ],
+                    }
+                    for cnt, bounds, classes in segs
+                ],
+            }
+            for dtname, order, segs in groups
+        ],
+    }
 
 
 def decode(
@@ -526,49 +674,27 @@ def _decode(codec, specs, payload, parent, max_raw_bytes) -> dict[str, bytes]:
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise _malformed(f"payload must be bytes, got {type(payload).__name__}")
     buf = memoryview(payload).cast("B")
-    rd = _Reader(buf)
-    magic, fmt, pkind, crc, ngroups = rd.unpack("<4sBBIB")
-    if magic != _MAGIC or fmt != _FORMAT:
-        raise _malformed("not an adapter codec payload (magic/format)")
+    pkind, crc, parsed, frames_start = _parse_header(buf)
     if pkind != kind:
         raise _malformed(f"payload kind {pkind} does not match codec {codec!r}")
     groups = _groups(infos)
-    if ngroups != len(groups):
-        raise _malformed(f"payload has {ngroups} dtype groups, specs have {len(groups)}")
-
-    # Pass 1: parse the whole header (so frame offsets are known and validated up front).
+    if [g[0] for g in parsed] != [g[0] for g in groups]:
+        raise _malformed(f"payload dtype groups {[g[0] for g in parsed]} do not match the specs'")
     plan = []
-    for dtname, idx in groups:
-        dt = _DTYPES[dtname]
-        code, ntens = rd.unpack("<BI")
-        if code != dt.code or ntens != len(idx):
-            raise _malformed(f"group header does not match specs (dtype {code}, {ntens} tensors)")
-        order = list(rd.unpack(f"<{ntens}I"))
+    for (dtname, order, segs), (_, idx) in zip(parsed, groups):
         if sorted(order) != idx:
             raise _malformed("tensor order is not a permutation of the group's specs")
-        (ncls,) = rd.unpack("<B")
-        if ncls < 1 or (kind == _KIND_KEYFRAME and ncls != 1):
-            raise _malformed(f"bad class count {ncls}")
-        bounds = list(rd.unpack(f"<{ncls - 1}H"))
-        if any(b < 1 or b > dt.exp_mask for b in bounds) or any(a >= b for a, b in zip(bounds, bounds[1:])):
-            raise _malformed(f"bad class bounds {bounds}")
-        classes = []
-        for _ in range(ncls):
-            (layout,) = rd.unpack("<B")
-            if layout not in (_LAYOUT_BYTES, _LAYOUT_FIELDS):
-                raise _malformed(f"unknown plane layout {layout}")
-            nplanes = dt.itemsize if layout == _LAYOUT_BYTES else len(_FIELDS[dt.bits])
-            classes.append((layout, rd.unpack(f"<{nplanes}I")))
-        plan.append((dt, order, bounds, classes))
-    frames_start = rd.pos
-    if frames_start + sum(sum(lens) for *_, classes in plan for _, lens in classes) != len(buf):
-        raise _malformed("frame lengths do not add up to the payload size")
+        segments, t = [], 0
+        for cnt, bounds, classes in segs:
+            segments.append((sum(infos[i][2] for i in order[t : t + cnt]), bounds, classes))
+            t += cnt
+        plan.append((_DTYPES[dtname], order, segments))
 
     # Pass 2: decode.
     dctx = zstd.ZstdDecompressor(max_window_size=_MAX_WINDOW)
     pos = frames_start
     out: dict[str, bytes] = {}
-    for dt, order, bounds, classes in plan:
+    for dt, order, segments in plan:
         sizes = [infos[i][2] for i in order]
         n = sum(sizes)
         if kind == _KIND_DELTA:
@@ -578,22 +704,27 @@ def _decode(codec, specs, payload, parent, max_raw_bytes) -> dict[str, bytes]:
                 if name not in parent:
                     raise _malformed(f"parent lacks tensor {name!r}")
                 parts.append(_words(parent[name], dt, infos[i][2], "parent " + name, untrusted=True))
-            par = np.concatenate(parts) if parts else np.zeros(0, dt.word)
-            members = _class_members(_exponent(par, dt), bounds)
-        else:
-            members = [None]
-        words = np.empty(n, dt.word) if len(members) > 1 else None
-        for m, (layout, lens) in zip(members, classes):
-            cnt = n if m is None else m.size
-            planes = []
-            for ln, expected in zip(lens, _plane_sizes(layout, cnt, dt)):
-                planes.append(_unzstd(dctx, buf[pos : pos + ln], expected, max_raw_bytes))
-                pos += ln
-            wk = _unpack(planes, layout, cnt, dt)
-            if m is None:
-                words = wk
+            par = np.concatenate(parts)
+            e = _exponent(par, dt)
+        words = None if len(segments) == 1 and len(segments[0][2]) == 1 else np.empty(n, dt.word)
+        off = 0
+        for seg_n, bounds, classes in segments:
+            e_seg = e[off : off + seg_n] if kind == _KIND_DELTA else None
+            counts = [seg_n] if not bounds else [int(np.count_nonzero(_class_mask(e_seg, bounds, k))) for k in range(len(classes))]
+            streams = []
+            for cnt, (layout, lens) in zip(counts, classes):
+                planes = []
+                for ln, expected in zip(lens, _plane_sizes(layout, cnt, dt)):
+                    planes.append(_unzstd(dctx, buf[pos : pos + ln], expected, max_raw_bytes))
+                    pos += ln
+                streams.append(_unpack(planes, layout, cnt, dt))
+            if words is None:
+                words = streams[0]
+            elif not bounds:
+                words[off : off + seg_n] = streams[0]
             else:
-                words[m] = wk
+                _scatter_classes(words[off : off + seg_n], e_seg, bounds, streams)
+            off += seg_n
         if kind == _KIND_KEYFRAME:
             flat = _rotr1(words, dt.bits)
         else:

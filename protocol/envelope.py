@@ -203,6 +203,16 @@ class ReplayGuard:
         self._seen[key] = timestamp
         heapq.heappush(self._heap, (timestamp, key))
 
+    def merge(self, other: ReplayGuard) -> None:
+        """Remember everything `other` remembers too (e.g. a persisted guard after a restart)."""
+        self._floor = max(self._floor, other._floor)
+        for key, ts in other._seen.items():
+            if key not in self._seen and ts > self._floor:
+                self._seen[key] = ts
+                heapq.heappush(self._heap, (ts, key))
+        while len(self._seen) > self.max_entries:
+            self._floor = max(self._floor, self._pop_oldest())
+
     def to_bytes(self) -> bytes:
         """Serialise the seen-set (msgpack, no pickle) so it survives a restart."""
         entries = [(k[:PUBLIC_KEY_BYTES], k[PUBLIC_KEY_BYTES:], ts) for k, ts in self._seen.items()]

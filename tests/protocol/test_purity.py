@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 FORBIDDEN = ("torch", "hivemind", "vllm", "transformers")
-SUBMODULES = ["errors", "limits", "identity", "messages", "envelope", "codec"]
+SUBMODULES = ["errors", "limits", "identity", "messages", "envelope", "codec", "swarm"]
 
 
 def test_protocol_imports_no_heavy_dependencies():

@@ -1,0 +1,261 @@
+"""Adapter serving: the `manifest` and `chunk` P2P handlers, shared by the coordinator and volunteers.
+
+Owned by the swarm transport (docs/transport.md). Components:
+
+  AdapterStore   versions this peer holds, complete or still arriving (a volunteer's copy); thread-safe;
+                 coroutines on the P2P loop can wait for a chunk that is on its way.
+  TokenBucket    paces uploads to a byte rate (a volunteer's `--max-upload-mbps`).
+  AdapterServer  serves whatever a *source* holds: the coordinator's Publisher (complete versions) or
+                 an AdapterStore. Counts what it sent (the benchmark's coordinator uplink figure).
+
+Wire format (unchanged from the walking skeleton, so old fetchers still work)::
+
+    asyncrl.<run>.manifest   request  u64 version [| u32 wait_ms]        -> sealed manifest bytes
+    asyncrl.<run>.chunk      request  u64 version | u32 index [| u32 wait_ms] -> chunk bytes
+
+The optional `wait_ms` turns a request into a long poll: a volunteer that is itself still downloading
+that version answers as soon as the chunk arrives (bounded by MAX_WAIT_S) instead of refusing. A
+refusal is `STALE_VERSION` ("not held"). A source is anything with `get(version)` returning an object
+with `.manifest_bytes` and `.chunks` (entries may be None while missing) — Publisher.get fits.
+
+Nothing here checks hashes: every fetcher verifies what it receives against the coordinator's
+signature (manifests) and the signed manifest's sha256 (chunks), whoever served it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import threading
+import time
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass, field
+from typing import Callable
+
+from asyncrl.protocol.errors import ProtocolError, RejectCode
+
+MAX_WAIT_S = 10.0
+"""Longest a long-poll request is held open on the serving side."""
+MAX_REQUEST_BYTES = 64
+
+
+def handler_name(run_id: str, what: str) -> str:
+    return f"asyncrl.{run_id}.{what}"
+
+
+def manifest_request(version: int, wait_s: float = 0.0) -> bytes:
+    return struct.pack(">QI", version, int(wait_s * 1000)) if wait_s > 0 else struct.pack(">Q", version)
+
+
+def chunk_request(version: int, index: int, wait_s: float = 0.0) -> bytes:
+    if wait_s > 0:
+        return struct.pack(">QII", version, index, int(wait_s * 1000))
+    return struct.pack(">QI", version, index)
+
+
+@dataclass
+class HeldVersion:
+    version: int
+    manifest_bytes: bytes
+    chunks: list[bytes | None]
+    is_keyframe: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return all(c is not None for c in self.chunks)
+
+
+class AdapterStore:
+    """What a volunteer can serve. Keeps the newest `keep` versions and never drops the chain from the
+    newest complete keyframe it holds (late joiners walk it), unless that chain is longer than `keep`."""
+
+    def __init__(self, keep: int = 12):
+        self.keep = keep
+        self._versions: OrderedDict[int, HeldVersion] = OrderedDict()
+        self._lock = threading.Lock()
+        self._waiters: dict[tuple[int, int], list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = defaultdict(list)
+        self.on_unknown_version: Callable[[int], None] | None = None
+
+    # ---- writers (any thread) ---------------------------------------------------------------
+    def begin(self, version: int, manifest_bytes: bytes, n_chunks: int, *, is_keyframe: bool) -> HeldVersion:
+        with self._lock:
+            held = self._versions.get(version)
+            if held is None or held.manifest_bytes != manifest_bytes:
+                held = HeldVersion(version, manifest_bytes, [None] * n_chunks, is_keyframe)
+                self._versions[version] = held
+                self._versions = OrderedDict(sorted(self._versions.items()))
+            return held
+
+    def put_chunk(self, version: int, index: int, data: bytes, *, manifest_bytes: bytes | None = None) -> None:
+        """Add a chunk that the caller has already verified against the signed manifest (`manifest_bytes`:
+        only if that is still the manifest held for `version`)."""
+        with self._lock:
+            held = self._versions.get(version)
+            if held is None or index >= len(held.chunks):
+                return
+            if manifest_bytes is not None and held.manifest_bytes != manifest_bytes:
+                return  # the version was re-begun under another manifest (a restarted coordinator)
+            held.chunks[index] = data
+            waiters = self._waiters.pop((version, index), [])
+        for loop, fut in waiters:
+            loop.call_soon_threadsafe(_resolve, fut, data)
+
+    def drop(self, version: int) -> None:
+        with self._lock:
+            self._versions.pop(version, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._versions.clear()
+
+    def prune(self) -> None:
+        with self._lock:
+            complete = [v for v, h in self._versions.items() if h.complete]
+            if len(complete) <= self.keep:
+                return
+            keyframes = [v for v in complete if self._versions[v].is_keyframe]
+            newest = complete[-1]
+            floor = keyframes[-1] if keyframes and newest - keyframes[-1] < self.keep else newest - self.keep + 1
+            for v in [v for v in complete if v < floor]:
+                del self._versions[v]
+
+    # ---- readers ----------------------------------------------------------------------------
+    def get(self, version: int) -> HeldVersion | None:
+        with self._lock:
+            return self._versions.get(version)
+
+    def complete_versions(self) -> list[int]:
+        with self._lock:
+            return [v for v, h in self._versions.items() if h.complete]
+
+    async def wait_chunk(self, version: int, index: int, timeout: float) -> bytes | None:
+        """The chunk as soon as this peer has it, or None after `timeout` (call on an event loop)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._lock:
+            held = self._versions.get(version)
+            if held is not None and index < len(held.chunks) and held.chunks[index] is not None:
+                return held.chunks[index]
+            if held is None and self.on_unknown_version is not None and self._newer_than_held(version):
+                self.on_unknown_version(version)  # a hint: go and look at the pointer now
+            self._waiters[(version, index)].append((loop, fut))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            with self._lock:
+                lst = self._waiters.get((version, index), [])
+                if (loop, fut) in lst:
+                    lst.remove((loop, fut))
+                if not lst:
+                    self._waiters.pop((version, index), None)
+            return None
+
+    def _newer_than_held(self, version: int) -> bool:
+        return not self._versions or version > max(self._versions)
+
+
+def _resolve(fut: asyncio.Future, data: bytes) -> None:
+    if not fut.done():
+        fut.set_result(data)
+
+
+class TokenBucket:
+    """Paces a byte stream to `rate` bytes/s with up to `burst_s` seconds of saved-up credit.
+
+    Reservations may run into debt: concurrent senders queue up behind each other, so the long-run
+    rate never exceeds `rate`. Used from one event loop (no lock)."""
+
+    def __init__(self, rate: float, burst_s: float = 1.0):
+        if rate <= 0:
+            raise ValueError("rate must be > 0 bytes/s")
+        self.rate = float(rate)
+        self.capacity = self.rate * burst_s
+        self.tokens = self.capacity
+        self.last = time.monotonic()
+
+    def delay_for(self, nbytes: int, now: float | None = None) -> float:
+        """Reserve `nbytes`; return how long the caller must wait before sending them."""
+        now = time.monotonic() if now is None else now
+        self.tokens = min(self.capacity, self.tokens + (now - self.last) * self.rate)
+        self.last = now
+        self.tokens -= nbytes
+        return max(0.0, -self.tokens / self.rate)
+
+    async def take(self, nbytes: int) -> None:
+        delay = self.delay_for(nbytes)
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
+@dataclass
+class ServerStats:
+    manifests_sent: int = 0
+    chunks_sent: int = 0
+    bytes_sent: int = 0
+    refused: int = 0
+    bytes_by_version: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    chunks_by_peer: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+
+class AdapterServer:
+    """Registers `manifest` and `chunk` handlers for `run_id` on `node` and serves `source`."""
+
+    def __init__(self, node, run_id: str, source, *, upload_bps: float = 0, max_wait_s: float = MAX_WAIT_S):
+        self.node = node
+        self.run_id = run_id
+        self.source = source
+        self.bucket = TokenBucket(upload_bps) if upload_bps and upload_bps > 0 else None
+        self.max_wait_s = max_wait_s
+        self.stats = ServerStats()
+
+    def start(self) -> "AdapterServer":
+        self.node.serve(handler_name(self.run_id, "manifest"), self._manifest, max_request_bytes=MAX_REQUEST_BYTES)
+        self.node.serve(handler_name(self.run_id, "chunk"), self._chunk, max_request_bytes=MAX_REQUEST_BYTES)
+        return self
+
+    # Seam for fault injection: a subclass may alter what goes out (tests' TamperingProvider does).
+    def outgoing_chunk(self, version: int, index: int, data: bytes) -> bytes:
+        return data
+
+    async def _manifest(self, request: bytes, peer: str) -> bytes:
+        if len(request) == 8:
+            (version,), wait_s = struct.unpack(">Q", request), 0.0
+        elif len(request) == 12:
+            version, wait_ms = struct.unpack(">QI", request)
+            wait_s = min(wait_ms / 1000, self.max_wait_s)
+        else:
+            raise ProtocolError(RejectCode.MALFORMED, "manifest request is a u64 version [+ u32 wait_ms]")
+        held = self.source.get(version)
+        if held is None and wait_s > 0 and hasattr(self.source, "wait_chunk"):
+            await self.source.wait_chunk(version, 0, wait_s)  # the manifest precedes any chunk
+            held = self.source.get(version)
+        if held is None:
+            self.stats.refused += 1
+            raise ProtocolError(RejectCode.STALE_VERSION, "version not held")
+        self.stats.manifests_sent += 1
+        self.stats.bytes_sent += len(held.manifest_bytes)
+        self.stats.bytes_by_version[version] += len(held.manifest_bytes)
+        return held.manifest_bytes
+
+    async def _chunk(self, request: bytes, peer: str) -> bytes:
+        if len(request) == 12:
+            (version, index), wait_s = struct.unpack(">QI", request), 0.0
+        elif len(request) == 16:
+            version, index, wait_ms = struct.unpack(">QII", request)
+            wait_s = min(wait_ms / 1000, self.max_wait_s)
+        else:
+            raise ProtocolError(RejectCode.MALFORMED, "chunk request is (u64 version, u32 index [, u32 wait_ms])")
+        held = self.source.get(version)
+        data = held.chunks[index] if held is not None and index < len(held.chunks) else None
+        if data is None and wait_s > 0 and hasattr(self.source, "wait_chunk"):
+            data = await self.source.wait_chunk(version, index, wait_s)
+        if data is None:
+            self.stats.refused += 1
+            raise ProtocolError(RejectCode.STALE_VERSION, "chunk not held")
+        if self.bucket is not None:
+            await self.bucket.take(len(data))
+        self.stats.chunks_sent += 1
+        self.stats.bytes_sent += len(data)
+        self.stats.bytes_by_version[version] += len(data)
+        self.stats.chunks_by_peer[peer] += 1
+        return self.outgoing_chunk(version, index, data)

@@ -1,0 +1,289 @@
+"""Swarm records on the hivemind DHT: the validator every node runs, and who writes/reads what.
+
+Owned by the swarm transport (docs/transport.md); the record formats and checks themselves are pure
+and live in `asyncrl.protocol.swarm`. Components:
+
+  SwarmRecordValidator  hivemind RecordValidatorBase: on every node (coordinator and volunteers),
+                        refuses pointer records not signed by the coordinator and presence records not
+                        signed by the peer they describe, whether asked to store them or handed them
+                        in an answer. Other keys pass untouched (validators compose).
+  PointerRecord         coordinator side: store the signed pointer (refresh = re-seal + store) and push
+                        it straight to the live volunteers' `pointer` handler, so they need not wait for
+                        their next DHT poll (the DHT stays the source of truth for everyone else).
+  PresenceBeacon        volunteer side: a thread that re-announces this peer every few seconds.
+  read_presence         the live, verified presence records of a run (fetchers pick providers).
+  PresenceTracker       coordinator side: polls presence and reports each volunteer's version lag.
+
+hivemind hashes keys before they reach a validator (`record.key` is DHTID bytes), so the validator
+precomputes the ids of the keys it protects; it therefore needs the run id and the coordinator's
+peer id, which every asyncrl node knows from its join address.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils.serializer import MSGPackSerializer
+
+from asyncrl.protocol import swarm
+from asyncrl.protocol.errors import ProtocolError
+from asyncrl.protocol.identity import Identity, public_key_from_peer_id
+
+PRESENCE_EVERY_S = 5.0
+"""A volunteer re-announces itself this often (records expire after swarm.PRESENCE_TTL_S)."""
+ANNOUNCE_SOON_S = 1.5
+"""...and this long after it holds a new version."""
+TRACK_EVERY_S = 5.0
+PUSH_PARALLEL = 32
+MAX_CALL_BACKS = 256
+PUSH_TIMEOUT_S = 5.0
+
+_REGULAR = MSGPackSerializer.dumps(None)  # hivemind's subkey tag for a plain (non-dictionary) value
+
+
+def _key_id(key: str) -> bytes:
+    return DHTID.generate(source=key).to_bytes()
+
+
+class SwarmRecordValidator(RecordValidatorBase):
+    def __init__(self, run_id: str, coordinator_peer_id: str):
+        self.run_id = run_id
+        self.coordinator_key = public_key_from_peer_id(coordinator_peer_id)
+        self._pointer_id = _key_id(swarm.pointer_key(run_id, coordinator_peer_id))
+        self._presence_id = _key_id(swarm.presence_key(run_id))
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key not in (self._pointer_id, self._presence_id):
+            return True  # not ours to police
+        try:
+            value = MSGPackSerializer.loads(record.value)
+            if not isinstance(value, bytes):
+                return False
+            if record.key == self._pointer_id:
+                if record.subkey != _REGULAR:
+                    return False
+                swarm.check_pointer(value, coordinator_key=self.coordinator_key, run_id=self.run_id,
+                                    expiration_time=record.expiration_time)
+            else:
+                subkey = MSGPackSerializer.loads(record.subkey)
+                if not isinstance(subkey, str):
+                    return False
+                swarm.check_presence(value, subkey=subkey, run_id=self.run_id,
+                                     expiration_time=record.expiration_time)
+            return True
+        except ProtocolError:
+            return False
+        except Exception:  # hostile bytes may break msgpack in any way
+            return False
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        # Two validators for the same run and coordinator are one; others stay separate.
+        return (isinstance(other, SwarmRecordValidator) and other._pointer_id == self._pointer_id
+                and other._presence_id == self._presence_id)
+
+
+def install_validator(node, run_id: str, coordinator_peer_id: str) -> SwarmRecordValidator:
+    """Add the validator to a running SwarmNode's DHT (before it stores or reads swarm records)."""
+    validator = SwarmRecordValidator(run_id, coordinator_peer_id)
+    node.dht.add_validators([validator])
+    return validator
+
+
+class PointerRecord:
+    """The coordinator's pointer in the DHT. `store` a freshly sealed pointer; `refresh` re-seals the
+    latest one (a new timestamp lets the record live another TTL; see protocol/swarm.py). `peers()`
+    names the volunteers to push each new pointer to (PresenceTracker.serving_peers)."""
+
+    def __init__(self, node, identity: Identity, run_id: str, peers: Callable[[], list[str]] | None = None):
+        self.node = node
+        self.identity = identity
+        self.run_id = run_id
+        self.key = swarm.pointer_key(run_id, identity.peer_id)
+        self.peers = peers
+        self.pushed = 0
+
+    def store(self, sealed_pointer: bytes) -> bool:
+        if self.peers is not None:
+            self.node.loops.submit(self._push(sealed_pointer, list(self.peers())))  # does not wait
+        return self.node.store(self.key, sealed_pointer, swarm.POINTER_TTL_S)
+
+    async def _push(self, sealed_pointer: bytes, peers: list[str]) -> None:
+        import asyncio
+
+        slots = asyncio.Semaphore(PUSH_PARALLEL)
+
+        async def one(peer: str) -> None:
+            async with slots:
+                try:
+                    await asyncio.wait_for(self.node.acall(peer, f"asyncrl.{self.run_id}.pointer", sealed_pointer,
+                                                           max_response_bytes=64), PUSH_TIMEOUT_S)
+                    self.pushed += 1
+                except Exception:
+                    pass  # best effort: that volunteer will read the DHT on its next poll
+
+        await asyncio.gather(*(one(p) for p in peers))
+
+    def refresh(self, sealed_pointer: bytes) -> bool:
+        return self.store(swarm.reseal_pointer(self.identity, sealed_pointer))
+
+
+class PresenceBeacon:
+    """Re-announces this volunteer every `every_s`, and `ANNOUNCE_SOON_S` after `announce_soon()` (a new
+    version held: late joiners should learn it soon, but not while the swarm is still busy fetching it).
+    `snapshot()` returns the PresenceRecord fields that change: adapter_version, versions, throughput..."""
+
+    def __init__(self, node, identity: Identity, run_id: str, name: str, snapshot: Callable[[], dict], *,
+                 every_s: float = PRESENCE_EVERY_S, out=None):
+        self.node, self.identity, self.run_id, self.name = node, identity, run_id, name
+        self.snapshot = snapshot
+        self.every_s = every_s
+        self.out = out
+        self.announced = 0
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._due = 0.0  # monotonic time of the next announcement
+        self._thread = threading.Thread(target=self._loop, name="presence", daemon=True)
+
+    def start(self) -> "PresenceBeacon":
+        self._thread.start()
+        return self
+
+    def announce_soon(self, delay_s: float | None = None) -> None:
+        self._due = min(self._due, time.monotonic() + (ANNOUNCE_SOON_S if delay_s is None else delay_s))
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def record(self) -> swarm.PresenceRecord:
+        fields = self.snapshot()
+        return swarm.PresenceRecord(run_id=self.run_id, peer_id=self.identity.peer_id, name=self.name[:64],
+                                    adapter_version=int(fields.get("adapter_version", -1)),
+                                    versions=tuple(fields.get("versions", ()))[-swarm.MAX_VERSIONS_SERVED:],
+                                    serving=bool(fields.get("serving", False)),
+                                    upload_bps=int(fields.get("upload_bps", 0)),
+                                    throughput=float(fields.get("throughput", 0.0)), last_seen=time.time(),
+                                    maddrs=tuple(fields.get("maddrs", ()))[:swarm.MAX_MADDRS])
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            left = self._due - time.monotonic()
+            if left > 0:
+                self._wake.wait(left)
+                self._wake.clear()
+                continue
+            self._due = time.monotonic() + self.every_s
+            try:
+                sealed = swarm.seal_presence(self.identity, self.record())
+                self.node.store(swarm.presence_key(self.run_id), sealed, swarm.PRESENCE_TTL_S,
+                                subkey=self.identity.peer_id)
+                self.announced += 1
+            except Exception as exc:  # the DHT may be briefly unhappy (coordinator restarting)
+                if self.out is not None:
+                    self.out(f"presence announce failed: {exc.__class__.__name__}: {exc}")
+
+
+def _write_json(path, data) -> None:
+    import json
+    import os
+
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def read_presence(node, run_id: str, *, now: float | None = None) -> dict[str, swarm.PresenceRecord]:
+    """Verified, unexpired presence records of `run_id` by peer id (empty when none or unreachable)."""
+    try:
+        raw = node.get(swarm.presence_key(run_id))
+    except Exception:
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    now = time.time() if now is None else now
+    out = {}
+    for peer_id, value in raw.items():
+        if not isinstance(peer_id, str) or not isinstance(value, bytes):
+            continue
+        try:
+            record = swarm.check_presence(value, subkey=peer_id, run_id=run_id, now=now)
+        except ProtocolError:
+            continue
+        if now - record.last_seen <= swarm.PRESENCE_TTL_S + swarm.CLOCK_SLACK_S:
+            out[peer_id] = record
+    return out
+
+
+class PresenceTracker:
+    """Coordinator side: reads presence every `every_s` on a thread; `snapshot(current_version)` gives
+    one dict per live volunteer with its version lag (what the dashboard and summary.json show).
+
+    With `peers_path`, the volunteers' announced addresses are kept there (atomically), and `call_back()`
+    dials them after a restart: the restarted coordinator's DHT knows nobody, and volunteers' libp2p
+    dial backoff (grown while it was down) would otherwise delay their reconnect by up to minutes."""
+
+    def __init__(self, node, run_id: str, *, every_s: float = TRACK_EVERY_S, peers_path=None):
+        self.node, self.run_id, self.every_s = node, run_id, every_s
+        self.peers_path = peers_path
+        self._saved: dict[str, list[str]] = {}
+        self._records: dict[str, swarm.PresenceRecord] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="presence-tracker", daemon=True)
+
+    def start(self) -> "PresenceTracker":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        while True:
+            self.refresh()
+            if self._stop.wait(self.every_s):
+                return
+
+    def refresh(self) -> None:
+        records = read_presence(self.node, self.run_id)
+        with self._lock:
+            self._records = records
+        if self.peers_path is not None and records:
+            known = {**self._saved, **{p: list(r.maddrs) for p, r in records.items() if r.maddrs}}
+            if known != self._saved:
+                _write_json(self.peers_path, {"peers": known})
+                self._saved = known
+
+    def call_back(self) -> int:
+        """Dial every volunteer remembered in `peers_path` (in this thread); returns how many answered."""
+        import json
+
+        from asyncrl.bootstrap import rejoin
+
+        try:
+            self._saved = json.loads(self.peers_path.read_text())["peers"]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return 0
+        answered = 0
+        for peer, maddrs in list(self._saved.items())[:MAX_CALL_BACKS]:
+            answered += rejoin(self.node, [f"{m.split('/p2p/')[0]}/p2p/{peer}" for m in maddrs])
+        return answered
+
+    def serving_peers(self) -> list[str]:
+        with self._lock:
+            return [p for p, r in self._records.items() if r.serving]
+
+    def snapshot(self, current_version: int) -> list[dict]:
+        with self._lock:
+            records = list(self._records.values())
+        now = time.time()
+        return [{"peer_id": r.peer_id, "name": r.name, "adapter_version": r.adapter_version,
+                 "lag": (current_version - r.adapter_version) if r.adapter_version >= 0 else None,
+                 "versions_served": list(r.versions), "serving": r.serving, "upload_bps": r.upload_bps,
+                 "throughput": r.throughput, "last_seen": r.last_seen, "age_s": round(now - r.last_seen, 1)}
+                for r in sorted(records, key=lambda r: r.name)]

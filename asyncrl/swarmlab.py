@@ -1,0 +1,242 @@
+"""Swarm lab: lightweight publisher and follower processes for the transport benchmark and tests.
+
+Owned by the swarm transport (docs/transport.md). These are the real transport pieces — SwarmNode,
+the DHT validator, Publisher + codec + AdapterServer on the publishing side; AdapterSync, SwarmFetcher,
+AdapterServer and the presence beacon on the following side — with no model: the publisher evolves a
+synthetic Qwen2.5-1.5B-shaped LoRA (asyncrl/synthetic_adapter.py) and followers only verify, decode
+and hash. So the thing measured is the transport, and a test needs no torch model or learner.
+
+    python -m asyncrl.swarmlab publish --run-dir runs/lab --versions 3          # then keeps serving
+    python -m asyncrl.swarmlab publish --run-dir runs/lab --control             # "publish"/"stats" on stdin
+    python -m asyncrl.swarmlab follow /ip4/127.0.0.1/tcp/PORT/p2p/12D3KooW... --data-dir runs/lab/f0
+
+Both print one JSON object per line on stdout (events: ready, published, stats, peers, held); a
+follower also keeps <data-dir>/status.json (atomic) with its fetch counters, so a test can watch a
+transfer in progress. `digest` = sha256 over the tensors' bytes in manifest order: equal digests on
+both sides mean the follower holds bit-identical tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import zlib
+from pathlib import Path
+
+LAB_MODEL = "synthetic-qwen2.5-1.5b"
+
+
+def emit(event: str, **fields) -> None:
+    print(json.dumps({"event": event, "t": time.time(), **fields}), flush=True)
+
+
+def digest(specs, tensors: dict[str, bytes], algorithm: str = "sha256") -> str:
+    """A digest of the tensors in manifest order: sha256, or crc32 (4x cheaper: the benchmark's choice,
+    where nobody is adversarial and the followers' CPU is what is being measured)."""
+    if algorithm == "crc32":
+        crc = 0
+        for spec in specs:
+            crc = zlib.crc32(tensors[spec.name], crc)
+        return f"crc32:{crc:08x}"
+    h = hashlib.sha256()
+    for spec in specs:
+        h.update(tensors[spec.name])
+    return h.hexdigest()
+
+
+def write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+# ---- publisher ----------------------------------------------------------------------------------
+
+
+class LabPublisher:
+    def __init__(self, args):
+        from asyncrl.adapter_serving import AdapterServer
+        from asyncrl.coordinator.publisher import Publisher
+        from asyncrl.protocol import messages
+        from asyncrl.protocol.identity import Identity
+        from asyncrl.swarm_records import PointerRecord, PresenceTracker, install_validator
+        from asyncrl.synthetic_adapter import LINEARS, SyntheticAdapter
+        from asyncrl.transport import SwarmNode
+
+        run_dir = Path(args.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.identity, _ = Identity.load_or_create(run_dir / "coordinator.key")
+        self.identity.write_libp2p_identity(run_dir / "p2p.identity")
+        self.node = SwarmNode(host_maddrs=[f"/ip4/{args.host}/tcp/{args.port}"],
+                              identity_path=str(run_dir / "p2p.identity"))
+        install_validator(self.node, args.run_id, self.node.peer_id)
+        self.presence = PresenceTracker(self.node, args.run_id, every_s=args.presence_every_s).start()
+        self.pointer = PointerRecord(self.node, self.identity, args.run_id, peers=self.presence.serving_peers)
+        self.adapter = SyntheticAdapter(layers=args.layers, rank=args.rank, seed=args.seed)
+        lora = messages.LoraSpec(r=args.rank, alpha=2.0 * args.rank, dropout=0.0,
+                                 target_modules=tuple(m.split(".")[-1] for m in LINEARS))
+        self.publisher = Publisher(self.identity, run_id=args.run_id, base_model=LAB_MODEL, base_revision="synthetic",
+                                   lora=lora, keyframe_every=args.keyframe_every, chunk_bytes=args.chunk_bytes,
+                                   keep=args.keep)
+        self.server = AdapterServer(self.node, args.run_id, self.publisher).start()
+
+        async def info(request: bytes, peer: str) -> bytes:
+            return args.run_id.encode()
+
+        self.node.serve("asyncrl.info", info, max_request_bytes=64)
+        self.version = -1
+        addr = next(a for a in self.node.visible_maddrs() if "127.0.0.1" in a or "/ip4/" in a)
+        self.join = addr if "/p2p/" in addr else f"{addr}/p2p/{self.node.peer_id}"
+        (run_dir / "join.txt").write_text(self.join + "\n")
+        emit("ready", join=self.join, peer_id=self.node.peer_id, raw_bytes=self.adapter.raw_bytes)
+        threading.Thread(target=self._watch_presence, args=(args.presence_every_s,), daemon=True).start()
+
+    def _watch_presence(self, every_s: float) -> None:
+        """Emit a `presence` event whenever the set of (peer, versions served) changes."""
+        seen = None
+        while True:
+            current = {p["peer_id"]: p["versions_served"] for p in self.presence.snapshot(max(self.version, 0))}
+            if current != seen:
+                seen = current
+                emit("presence", peers=current)
+            time.sleep(every_s)
+
+    def publish(self) -> None:
+        self.version += 1
+        self.adapter.step()
+        specs, tensors = self.adapter.specs(), self.adapter.tensors()
+        pub = self.publisher.publish(self.version, specs, tensors)
+        digests = {a: digest(specs, tensors, a) for a in ("sha256", "crc32")}
+        t_publish = time.time()  # the clock starts when the pointer goes out; encoding is not transport
+        self.pointer.store(pub.pointer_bytes)
+        emit("published", version=pub.version, t_publish=t_publish, codec=pub.codec,
+             compressed_bytes=pub.compressed_bytes, raw_bytes=pub.raw_bytes, chunks=len(pub.chunks),
+             digest=digests["sha256"], digests=digests, store_s=time.time() - t_publish)
+
+    def stats(self) -> None:
+        st = self.server.stats
+        emit("stats", bytes_sent=st.bytes_sent, chunks_sent=st.chunks_sent, manifests_sent=st.manifests_sent,
+             refused=st.refused, bytes_by_version={str(k): v for k, v in sorted(st.bytes_by_version.items())})
+
+
+def run_publisher(args) -> int:
+    lab = LabPublisher(args)
+    for _ in range(args.versions):
+        lab.publish()
+        time.sleep(args.interval)
+    if args.control:
+        for line in sys.stdin:
+            cmd = line.strip()
+            if cmd == "publish":
+                lab.publish()
+            elif cmd == "stats":
+                lab.stats()
+            elif cmd == "quit":
+                break
+    else:
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *a: stop.set())
+        while not stop.wait(1.0):
+            pass
+    lab.stats()
+    lab.node.shutdown()
+    return 0
+
+
+# ---- follower -----------------------------------------------------------------------------------
+
+
+def run_follower(args, server_cls=None) -> int:
+    from asyncrl.bootstrap import join_spec
+    from asyncrl.client.adapter_sync import AdapterSync
+    from asyncrl.client.swarm_member import SwarmMembership, open_node
+    from asyncrl.protocol.identity import Identity
+
+    data_dir = Path(args.data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    spec = join_spec(args.address, args.coordinator)
+    identity, _ = Identity.load_or_create(data_dir / "identity.key")
+    node = open_node(bootstrap=spec.bootstrap, data_dir=data_dir, identity=identity, client_mode=False)
+    run_id = args.run_id or node.call(spec.coordinator_peer_id, "asyncrl.info", b"", max_response_bytes=256).decode()
+    sync = AdapterSync(node, coordinator_peer_id=spec.coordinator_peer_id, coordinator_key=spec.coordinator_key,
+                       run_id=run_id)
+    member = SwarmMembership(node, identity=identity, sync=sync, run_id=run_id, name=args.name,
+                             bootstrap=spec.bootstrap, serve=not args.no_serve, upload_bps=args.upload_bps,
+                             poll_s=args.poll_s, server_cls=server_cls,
+                             out=lambda m: emit("warning", message=m)).start()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *a: stop.set())
+    held: list[int] = []
+    cpu_at = time.process_time()
+    peers_seen = -1
+    last_status = 0.0
+    while not stop.is_set():
+        got = sync.poll()
+        if got is not None:
+            held.append(got.version)
+            cpu_now = time.process_time()
+            emit("held", name=args.name, version=got.version, t_held=got.held_at, timings=sync.last_timings,
+                 cpu_s=round(cpu_now - cpu_at, 3),
+                 digest=digest(got.manifest.tensors, got.tensors, args.digest), stats=sync.fetcher.stats.as_dict())
+            cpu_at = cpu_now
+        peers = len(sync.presence.records)
+        if peers != peers_seen:
+            peers_seen = peers
+            emit("peers", name=args.name, peers=peers)
+        if time.time() - last_status > 0.5:
+            last_status = time.time()
+            write_json(data_dir / "status.json", {"name": args.name, "peer_id": node.peer_id, "maddrs": member.maddrs,
+                                                  "held": held,
+                                                  "peers": peers, "banned": sync.fetcher.banned, **member.stats()})
+        stop.wait(0.05)
+    member.stop()
+    node.shutdown()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m asyncrl.swarmlab", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    pub = sub.add_parser("publish", help="a model-free coordinator: publish synthetic adapter versions")
+    pub.add_argument("--run-dir", required=True)
+    pub.add_argument("--run-id", default="lab")
+    pub.add_argument("--host", default="127.0.0.1")
+    pub.add_argument("--port", type=int, default=0)
+    pub.add_argument("--layers", type=int, default=28, help="28 = Qwen2.5-1.5B (36.9 MB raw bf16 at rank 16)")
+    pub.add_argument("--rank", type=int, default=16)
+    pub.add_argument("--chunk-bytes", type=int, default=1 << 20)
+    pub.add_argument("--keyframe-every", type=int, default=10)
+    pub.add_argument("--keep", type=int, default=16, help="recent versions the publisher keeps serving")
+    pub.add_argument("--versions", type=int, default=0, help="publish this many versions at start")
+    pub.add_argument("--interval", type=float, default=0.0, help="seconds between those versions")
+    pub.add_argument("--control", action="store_true", help="then read commands from stdin: publish | stats | quit")
+    pub.add_argument("--seed", type=int, default=0)
+    pub.add_argument("--presence-every-s", type=float, default=5.0, help="how often to re-read presence")
+    fol = sub.add_parser("follow", help="a model-free volunteer: follow, verify, decode and re-serve versions")
+    fol.add_argument("address")
+    fol.add_argument("--data-dir", required=True)
+    fol.add_argument("--name", default="follower")
+    fol.add_argument("--coordinator", default=None)
+    fol.add_argument("--run-id", default=None)
+    fol.add_argument("--upload-bps", type=int, default=0)
+    fol.add_argument("--no-serve", action="store_true")
+    fol.add_argument("--poll-s", type=float, default=2.0, help="DHT pointer poll (pushes usually come first)")
+    fol.add_argument("--digest", choices=["sha256", "crc32"], default="sha256", help="of the decoded tensors")
+    return p
+
+
+def main(argv: list[str] | None = None, *, server_cls=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "publish":
+        return run_publisher(args)
+    return run_follower(args, server_cls=server_cls)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

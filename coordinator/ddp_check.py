@@ -1,0 +1,99 @@
+"""DDP equivalence check: the same fixed batches through 1 process and through N (torchrun), same adapter.
+
+Builds deterministic synthetic rollout groups for the built-in tiny model (uneven group sizes and
+completion lengths, so the ranks' slices differ in size and the weighted gradient reduction is
+exercised), runs `--steps` learner steps for each `--loss-types` entry, and (rank 0) writes the
+resulting LoRA parameters to `--out` as safetensors, keyed `<loss type>/<parameter name>`.
+
+    python -m asyncrl.coordinator.ddp_check --out /tmp/one.safetensors
+    torchrun --standalone --nproc-per-node 2 -m asyncrl.coordinator.ddp_check --out /tmp/two.safetensors
+    python -m asyncrl.coordinator.ddp_check --compare /tmp/one.safetensors /tmp/two.safetensors
+
+tests/coordinator/test_ddp.py runs exactly these three commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+
+
+def synthetic_groups(step: int, n_groups: int, seed: int = 0):
+    from asyncrl.coordinator.learner import TrainGroup
+    from asyncrl.tinymodel import CHARS
+
+    rng = random.Random(f"{seed}-{step}")
+    groups = []
+    for g in range(n_groups):
+        letter = "abcd"[rng.randrange(4)]
+        prompt = [1 + CHARS.index(ch) for ch in f"rep:{letter}="]
+        size = rng.randint(3, 6)
+        comps = [[rng.randint(1, len(CHARS)) for _ in range(rng.randint(2, 8))] for _ in range(size)]
+        logps = [[-rng.uniform(0.5, 4.0) for _ in c] for c in comps]
+        rewards = [rng.random() for _ in comps]
+        groups.append(TrainGroup(prompt, comps, logps, rewards, version=0))
+    return groups
+
+
+def run(out: str, *, steps: int, groups_per_step: int, loss_types: list[str], seed: int) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from asyncrl import tinymodel
+    from asyncrl.coordinator.ddp import make_learner, world
+    from asyncrl.coordinator.loss import LossConfig
+    from asyncrl.protocol.messages import LoraSpec
+
+    torch.set_num_threads(1)
+    path = str(tinymodel.write_tiny_model(tinymodel.default_tiny_model_dir()))
+    lora = LoraSpec(r=8, alpha=16.0, dropout=0.0, target_modules=("q_proj", "v_proj", "o_proj", "up_proj"))
+    result = {}
+    for loss_type in loss_types:
+        learner = make_learner(path, lora, lr=1e-2, loss=LossConfig(loss_type=loss_type), max_staleness=None,
+                               seed=seed)
+        for step in range(steps):  # every rank calls step(); rank 0's groups are the ones broadcast
+            learner.step(synthetic_groups(step, groups_per_step, seed))
+        for name, value in learner.lora_parameters().items():
+            result[f"{loss_type}/{name}"] = value.contiguous()
+    rank, size = world()
+    if rank == 0:
+        save_file(result, out)
+        print(f"wrote {len(result)} tensors from {size} process(es) to {out}", flush=True)
+
+
+def compare(a: str, b: str, atol: float) -> float:
+    from safetensors.torch import load_file
+
+    x, y = load_file(a), load_file(b)
+    if set(x) != set(y):
+        raise SystemExit("the two files hold different tensors")
+    diff = max(float((x[k] - y[k]).abs().max()) for k in x)
+    moved = max(float(x[k].abs().max()) for k in x)
+    print(f"max |difference| {diff:.3g} over {len(x)} tensors (largest value {moved:.3g})")
+    return diff
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m asyncrl.coordinator.ddp_check", description=__doc__.split("\n")[0])
+    p.add_argument("--out", help="safetensors file for the resulting adapter (rank 0 writes it)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--groups-per-step", type=int, default=5)
+    p.add_argument("--loss-types", default="grpo,dapo")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two --out files instead")
+    # Gradients agree to ~1e-7 relative; AdamW then divides by sqrt(v) + eps, so a coordinate whose
+    # gradient is ~1e-9 moves by about +-lr either way: a few such coordinates differ by up to ~lr/30.
+    p.add_argument("--atol", type=float, default=1e-3)
+    args = p.parse_args(argv)
+    if args.compare:
+        return 0 if compare(*args.compare, atol=args.atol) <= args.atol else 1
+    if not args.out:
+        p.error("--out is required")
+    run(args.out, steps=args.steps, groups_per_step=args.groups_per_step,
+        loss_types=[t for t in args.loss_types.split(",") if t], seed=args.seed)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Trust state on disk: what the coordinator must not forget across restarts, and what it shows.
+
+Every `every_s` seconds (and once more at shutdown) a daemon thread writes, each file atomically
+(temp name + os.replace), no pickle:
+  <run_dir>/replay.bin   Ingest.state_bytes(): the replay guard's nonces and every accepted batch id,
+                         so a restarted coordinator still refuses replays and duplicates;
+  <run_dir>/access.bin   AccessControl.state_bytes(): automatic bans and strikes;
+  <run_dir>/trust.json   a read-only view for operators and tests: per-key accepted/rejected/strikes,
+                         bans, access counters, audit statistics (incl. its cost as a fraction of
+                         learner time) and the most recent verdicts (batch id -> code).
+`load()` merges replay.bin and access.bin back at start (after a checkpoint restore, if any: the
+union of both never forgets a nonce or a ban).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+from asyncrl.protocol.errors import ProtocolError
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+class TrustState:
+    def __init__(self, run_dir: Path, *, ingest, access=None, auditor=None, every_s: float = 2.0, out=print):
+        self.run_dir = Path(run_dir)
+        self.ingest, self.access, self.auditor = ingest, access, auditor
+        self.every_s = every_s
+        self.out = out
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._write_lock = threading.Lock()
+
+    def load(self) -> dict:
+        loaded = {}
+        for name, target in (("replay.bin", self.ingest), ("access.bin", self.access)):
+            path = self.run_dir / name
+            if target is None or not path.exists():
+                continue
+            try:
+                target.load_state(path.read_bytes())
+                loaded[name] = path.stat().st_size
+            except ProtocolError as exc:  # a torn or foreign file: say so, start without it
+                self.out(f"warning: ignoring {path}: {exc}")
+        return loaded
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="trust-state", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.write()
+            except Exception as exc:  # never take the coordinator down for a status file
+                self.out(f"warning: trust state not written: {exc}")
+
+    def write(self) -> None:
+        with self._write_lock:
+            write_atomic(self.run_dir / "replay.bin", self.ingest.state_bytes())
+            if self.access is not None:
+                write_atomic(self.run_dir / "access.bin", self.access.state_bytes())
+            write_atomic(self.run_dir / "trust.json", json.dumps(self.status(), indent=1).encode())
+
+    def status(self) -> dict:
+        with self.ingest.lock:
+            clients = {fp: {"name": st.name, "accepted": st.accepted, "rejected": dict(st.rejected)}
+                       for fp, st in self.ingest.clients.items()}
+            verdicts = list(self.ingest.verdicts)
+        return {
+            "clients": clients,
+            "access": self.access.status() if self.access is not None else None,
+            "audit": self.auditor.status() if self.auditor is not None else None,
+            "verdicts": verdicts,
+        }
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            self.write()
+        except Exception as exc:
+            self.out(f"warning: trust state not written at exit: {exc}")

@@ -1,0 +1,68 @@
+"""Fixtures: one swarm (coordinator + alice + bob, real processes) and one mallory for the whole package.
+
+`attack(name, description)` opens an AttackRecord for the table in docs/SECURITY.md and, when the test
+ends, checks that alice's and bob's books show no rejected batch (the honest loss must stay 0).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.adversarial.swarm import (COORDINATOR_FLAGS, AttackRecord, Mallory, Swarm, read_json, wait_for,
+                                     write_artifact)
+from tests.conftest import Procs
+
+
+@pytest.fixture(scope="package")  # torn down (processes reaped) after the suite
+def swarm(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adversarial")
+    procs = Procs(root)
+    run = root / "run"
+    banlist = root / "banlist.txt"
+    banlist.write_text("# operator's ban list (re-read on change)\n")
+    coord = procs.start("coordinator", ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny", "--run-dir",
+                                        str(run), "--banlist", str(banlist), *COORDINATOR_FLAGS])
+    try:
+        join = wait_for(lambda: (run / "join.txt").exists() and (run / "join.txt").read_text().strip(), 240,
+                        "the coordinator's join address")
+        honest = {}
+        for seed, name in enumerate(("alice", "bob"), 1):
+            honest[name] = root / name
+            procs.start(name, ["-m", "asyncrl.client.cli", "join", join, "--name", name, "--data-dir", str(root / name),
+                               "--seed", str(seed), "--threads", "1", "--duty-cycle", "0.5", "--quiet"])
+        s = Swarm(root=root, run=run, join=join, coordinator_pid=coord.pid, honest=honest)
+        s.banlist = banlist
+        wait_for(lambda: all((read_json(d / "status.json") or {}).get("batches_acked", 0) >= 1
+                             for d in honest.values()), 300, "alice and bob to get a batch accepted")
+        s.start_view = s.honest_view()
+        yield s
+        final = s.honest_view()
+        write_artifact(s, {"honest_start": s.start_view, "honest_end": final, "trust": s.trust()})
+    finally:
+        procs.reap()
+
+
+@pytest.fixture(scope="package")  # torn down (processes reaped) after the suite
+def mallory(swarm):
+    m = Mallory(swarm)
+    m.follow()
+    yield m
+    m.close()
+
+
+@pytest.fixture
+def attack(swarm):
+    opened: list[AttackRecord] = []
+    before = swarm.honest_rejections()
+
+    def open_record(name: str, description: str, note: str = "") -> AttackRecord:
+        rec = AttackRecord(name, description, note=note)
+        swarm.results[name] = rec
+        opened.append(rec)
+        return rec
+
+    yield open_record
+    lost = swarm.honest_rejections() - before
+    for rec in opened:
+        rec.honest_lost = lost
+    assert lost == 0 and swarm.honest_rejections() == 0, swarm.honest_view()

@@ -1,0 +1,352 @@
+"""The adversarial suite's cast: one real swarm (coordinator, alice, bob as OS processes) and mallory.
+
+alice and bob are ordinary `asyncrl-client join` processes. mallory is this test process: she uses the
+real transport (`asyncrl.transport.SwarmNode`), the real protocol code (envelopes, messages) and a real
+engine to craft her batches, so each attack reaches the coordinator exactly as it would over the
+internet. Results go to tests/artifacts/adversarial.json (rendered into docs/SECURITY.md by
+`python -m tests.adversarial.report`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from asyncrl.protocol import envelope, messages
+from asyncrl.protocol.errors import ProtocolError, RejectCode
+from asyncrl.protocol.identity import Identity, fingerprint, public_key_from_peer_id
+
+REPO = Path(__file__).resolve().parents[2]
+ARTIFACT = REPO / "tests" / "artifacts" / "adversarial.json"
+RUN_ID = "adv"
+
+# The suite's coordinator flags: honest volunteers stay far inside every limit; mallory's floods do not.
+COORDINATOR_FLAGS = ["--run-id", RUN_ID, "--max-steps", "0", "--threads", "1", "--groups-per-step", "8", "--max-staleness", "16",
+                     "--max-wait-s", "2", "--max-inflight-groups", "32", "--checkpoint-every", "0", "--no-dashboard",
+                     "--identity-rate", "40", "--identity-burst", "80", "--peer-rate", "80", "--peer-burst", "160",
+                     "--new-identity-rate", "0.5", "--new-identity-burst", "10", "--max-strikes", "3",
+                     "--peer-max-strikes", "10"]
+NEW_IDENTITY_BURST, NEW_IDENTITY_RATE = 10, 0.5
+IDENTITY_BURST, IDENTITY_RATE, PEER_BURST = 80, 40.0, 160
+MAX_STRIKES, PEER_MAX_STRIKES = 3, 10
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.25):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+@dataclass
+class Swarm:
+    root: Path
+    run: Path
+    join: str
+    coordinator_pid: int
+    honest: dict[str, Path]  # name -> data dir
+    results: dict = field(default_factory=dict)
+
+    @property
+    def coordinator_peer(self) -> str:
+        return self.join.rsplit("/p2p/", 1)[1]
+
+    @property
+    def coordinator_key(self) -> bytes:
+        return public_key_from_peer_id(self.coordinator_peer)
+
+    def trust(self) -> dict:
+        return read_json(self.run / "trust.json") or {"clients": {}, "verdicts": []}
+
+    def status(self, name: str) -> dict:
+        return read_json(self.honest[name] / "status.json") or {}
+
+    def honest_key(self, name: str) -> bytes:
+        return Identity.load(self.honest[name] / "identity.key").public_key  # only its public half is used
+
+    def honest_view(self) -> dict:
+        """alice's and bob's books, as the coordinator (trust.json) and they themselves (status.json) keep them."""
+        trust = self.trust()
+        out = {}
+        for name in self.honest:
+            st = self.status(name)
+            coord = trust["clients"].get(st.get("fingerprint", ""), {})
+            out[name] = {"acked": st.get("batches_acked", 0), "client_rejected": st.get("batches_rejected", {}),
+                         "coordinator_accepted": coord.get("accepted", 0), "coordinator_rejected": coord.get("rejected", {}),
+                         "versions_loaded": len(set(st.get("versions_loaded", [])))}
+        return out
+
+    def honest_rejections(self) -> int:
+        """Batches of alice's and bob's that were refused. DUPLICATE_BATCH is not one: it is the repeated
+        ack for a batch already accepted (a retry after a lost ack), which the client then deletes."""
+        return sum(n for v in self.honest_view().values()
+                   for book in (v["client_rejected"], v["coordinator_rejected"])
+                   for code, n in book.items() if code != "DUPLICATE_BATCH")
+
+    def verdict(self, batch_id: bytes, timeout: float = 90.0) -> str:
+        """The coordinator's final word on an acked batch: "ACCEPTED", or the code of a train-time reject."""
+        hexid = batch_id.hex()
+
+        def final():
+            entries = [v for v in self.trust().get("verdicts", []) if v["batch_id"] == hexid]
+            for v in entries:
+                if v["code"] not in ("ACCEPTED", "AUDIT_PASSED"):
+                    return v["code"]
+            if any(v["code"] == "AUDIT_PASSED" for v in entries):
+                return "ACCEPTED"
+            if any(v["code"] == "ACCEPTED" and v.get("audit") in ("skipped", "stale", "passed", "off") for v in entries):
+                return "ACCEPTED"
+            return None
+        return wait_for(final, timeout, f"the coordinator's verdict on batch {hexid[:12]}", interval=0.5)
+
+    def current_version(self) -> int:
+        metrics = self.run / "metrics.jsonl"
+        version = 0
+        for line in metrics.read_text().splitlines() if metrics.exists() else []:
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if ev.get("event") == "publish":
+                version = max(version, ev["version"])
+        return version
+
+    def rss_bytes(self) -> int:
+        for line in Path(f"/proc/{self.coordinator_pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS")
+
+
+class Mallory:
+    """An attacker with real tools: her own swarm node, the real adapter follower, a real engine."""
+
+    def __init__(self, swarm: Swarm):
+        from asyncrl.client.adapter_sync import AdapterSync
+        from asyncrl.transport import SwarmNode
+
+        self.swarm = swarm
+        self.node = SwarmNode(initial_peers=[swarm.join])
+        self.extra_nodes: list = []
+        self.sync = AdapterSync(self.node, coordinator_peer_id=swarm.coordinator_peer,
+                                coordinator_key=swarm.coordinator_key, run_id=RUN_ID)
+        self.adapters: dict[int, object] = {}  # version -> AdapterVersion (her own archive)
+        self.engine = None
+        self.identity = Identity.generate()
+        self.coordinator_version = 0  # the learner's version as of her last lease grant
+
+    # ---- tools ----------------------------------------------------------------------------------
+    def new_node(self):
+        from asyncrl.transport import SwarmNode
+
+        node = SwarmNode(initial_peers=[self.swarm.join])
+        self.extra_nodes.append(node)
+        return node
+
+    def follow(self, at_least: int = 0, timeout: float = 120.0):
+        """Fetch the newest adapter (verified like any volunteer does) and load it into her engine."""
+        def newest():
+            got = self.sync.refresh()
+            if got is not None:
+                self.adapters[got.version] = got
+            cur = self.sync.current
+            return cur if cur is not None and cur.version >= at_least else None
+        current = wait_for(newest, timeout, f"adapter version >= {at_least}", interval=0.5)
+        self._engine(current)
+        return current
+
+    def _engine(self, adapter):
+        if self.engine is None:
+            from asyncrl import tinymodel
+            from asyncrl.client.engine import TransformersEngine
+
+            path = tinymodel.write_tiny_model(tinymodel.default_tiny_model_dir())
+            self.engine = TransformersEngine(str(path), adapter.manifest.lora, seed=7)
+        if self.engine.version != adapter.version:
+            self.engine.load_adapter(adapter.version, adapter.manifest.tensors, adapter.tensors)
+        return self.engine
+
+    def call(self, what: str, sealed: bytes, node=None, max_response_bytes: int = 4 << 20) -> bytes:
+        return (node or self.node).call(self.swarm.coordinator_peer, f"asyncrl.{RUN_ID}.{what}", sealed,
+                                        max_response_bytes=max_response_bytes, timeout=60)
+
+    def lease(self, ident: Identity, n: int = 1, node=None, timeout: float = 90.0) -> list[messages.TaskLease]:
+        """Lease prompts as `ident`, retrying while the coordinator has no room (or brakes new keys)."""
+        def attempt():
+            try:
+                grant = self.lease_once(ident, n, node)
+            except ProtocolError as exc:
+                if exc.code is RejectCode.RATE_LIMITED:
+                    time.sleep(1.0)
+                    return None
+                raise
+            self.coordinator_version = grant.current_version
+            return list(grant.leases) or None
+        return wait_for(attempt, timeout, "a lease for mallory", interval=0.5)
+
+    def lease_once(self, ident: Identity, n: int = 1, node=None) -> messages.LeaseGrant:
+        req = messages.LeaseRequest(run_id=RUN_ID, max_prompts=n, adapter_version=0, client_name="mallory")
+        sealed = envelope.seal(ident, "lease_request", messages.encode(req), audience=self.swarm.coordinator_key)
+        return messages.decode(self.call("lease", sealed, node), messages.LeaseGrant, max_bytes=4 << 20)
+
+    def generate(self, leases, adapter=None, engine=None) -> list[messages.RolloutGroup]:
+        """Honest completions, logprobs and rewards for `leases` under `adapter` (default: her newest)."""
+        from asyncrl import tasks
+
+        adapter = adapter or self.sync.current
+        engine = engine or self._engine(adapter)
+        if engine is not self.engine and engine.version != adapter.version:
+            engine.load_adapter(adapter.version, adapter.manifest.tensors, adapter.tensors)
+        prompts = [np.frombuffer(l.prompt_token_ids, dtype="<i4").tolist() for l in leases]
+        groups = []
+        for lease, samples in zip(leases, engine.generate(prompts, leases[0].group_size, leases[0].sampling)):
+            comps = []
+            for s in samples:
+                text = engine.tokenizer.decode(s.token_ids, skip_special_tokens=True)
+                comps.append(messages.Completion(token_ids=np.asarray(s.token_ids, dtype="<i4").tobytes(),
+                                                 logprobs=np.asarray(s.logprobs, dtype="<f4").tobytes(),
+                                                 reward=tasks.score(lease.reward, text, lease.answer),
+                                                 finish_reason=s.finish_reason))
+            groups.append(messages.RolloutGroup(lease_id=lease.lease_id, prompt_id=lease.prompt_id,
+                                                prompt_token_ids=lease.prompt_token_ids, completions=tuple(comps)))
+        return groups
+
+    def batch(self, groups, version: int, sampling=None, **overrides) -> messages.RolloutBatch:
+        fields = dict(run_id=RUN_ID, adapter_version=version, client_name="mallory",
+                      sampling=sampling or messages.SamplingParams(temperature=1.0, max_new_tokens=8),
+                      groups=tuple(groups), generated_at=time.time())
+        fields.update(overrides)
+        return messages.RolloutBatch(**fields)
+
+    def seal(self, ident: Identity, payload: bytes, **kw) -> bytes:
+        kw.setdefault("audience", self.swarm.coordinator_key)
+        return envelope.seal(ident, "rollout_batch", payload, **kw)
+
+    def submit(self, sealed: bytes, node=None) -> tuple[str, messages.Ack | None]:
+        """(code, ack): "ACCEPTED" or the reject code, whether it came in an Ack or as a transport refusal."""
+        try:
+            raw = self.call("submit", sealed, node, max_response_bytes=64 * 1024)
+        except ProtocolError as exc:  # refused before ingest (peer banned / rate limited / too large)
+            return exc.code.value, None
+        ack = messages.decode(raw, messages.Ack, max_bytes=64 * 1024)
+        return ("ACCEPTED" if ack.accepted and ack.code is None else ack.code), ack
+
+    def final_code(self, sealed: bytes, node=None) -> str:
+        """Submit, and for an acked batch wait for the coordinator's final verdict (train-time audits)."""
+        code, ack = self.submit(sealed, node)
+        if code == "ACCEPTED":
+            return self.swarm.verdict(ack.batch_id)
+        return code
+
+    def raw_stream(self, name: str, header_length: int, body: bytes, node=None, timeout: float = 30.0) -> str:
+        """Open a stream, send a frame header announcing `header_length` bytes and read the answer before
+        sending any body (so a refusal provably comes before the body is read); then push `body` anyway,
+        as an attacker would. Returns the reject code the server answered with."""
+        from hivemind.p2p import PeerID
+
+        node = node or self.node
+
+        async def go():
+            _, reader, writer = await node.p2p.call_binary_stream_handler(
+                PeerID.from_base58(self.swarm.coordinator_peer), f"asyncrl.{RUN_ID}.{name}")
+            try:
+                writer.write(header_length.to_bytes(8, "big"))
+                await writer.drain()
+                status = await asyncio.wait_for(reader.readexactly(1), timeout)
+                length = int.from_bytes(await reader.readexactly(8), "big")
+                answer = await reader.readexactly(min(length, 4096))
+                try:
+                    for i in range(0, len(body), 1 << 20):
+                        writer.write(body[i:i + (1 << 20)])
+                        await asyncio.wait_for(writer.drain(), 5.0)
+                except (ConnectionError, asyncio.TimeoutError, OSError):
+                    pass  # the server hung up on us: expected
+                return status[0], answer
+            finally:
+                try:
+                    writer.close()
+                except Exception:
+                    pass
+        status, answer = node.loops.run(go(), timeout=timeout + 60)
+        assert status == 1, "the oversized request was answered as if it were accepted"
+        return answer.decode(errors="replace").partition(":")[0]
+
+    def close(self) -> None:
+        for node in [self.node, *self.extra_nodes]:
+            try:
+                node.shutdown()
+            except Exception:
+                pass
+
+
+def batch_id_of(sealed: bytes) -> bytes:
+    opened = envelope.open_envelope(sealed, max_bytes=1 << 30, expected_kind="rollout_batch",
+                                    expected_audience=None, window_s=None)
+    return opened.payload_id
+
+
+def corrupt(data: bytes, at: int) -> bytes:
+    b = bytearray(data)
+    b[at] ^= 0x01
+    return bytes(b)
+
+
+def replace_completions(groups, fn) -> list[messages.RolloutGroup]:
+    """groups with each completion c replaced by fn(c) (a Completion)."""
+    return [messages.RolloutGroup(lease_id=g.lease_id, prompt_id=g.prompt_id, prompt_token_ids=g.prompt_token_ids,
+                                  completions=tuple(fn(c) for c in g.completions)) for g in groups]
+
+
+def completion(token_ids, logprobs, reward: float, finish: str = "length") -> messages.Completion:
+    return messages.Completion(token_ids=np.asarray(token_ids, dtype="<i4").tobytes(),
+                               logprobs=np.asarray(logprobs, dtype="<f4").tobytes(), reward=reward,
+                               finish_reason=finish)
+
+
+@dataclass
+class AttackRecord:
+    attack: str
+    description: str
+    tried: int = 0
+    rejected: int = 0
+    codes: dict = field(default_factory=dict)
+    honest_lost: int = 0
+    note: str = ""
+
+    def saw(self, code: str, rejected: bool = True) -> None:
+        self.tried += 1
+        self.rejected += int(rejected)
+        self.codes[code] = self.codes.get(code, 0) + 1
+
+
+def write_artifact(swarm: Swarm, extra: dict) -> None:
+    ARTIFACT.parent.mkdir(parents=True, exist_ok=True)
+    data = {"attacks": [r.__dict__ for r in swarm.results.values()], "written_at": time.time(), **extra}
+    tmp = ARTIFACT.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, ARTIFACT)
+
+
+def sha(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+__all__ = ["Swarm", "Mallory", "AttackRecord", "RUN_ID", "COORDINATOR_FLAGS", "batch_id_of", "corrupt",
+           "replace_completions", "completion", "write_artifact", "wait_for", "fingerprint", "sha"]

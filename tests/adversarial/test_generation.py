@@ -1,0 +1,98 @@
+"""mallory vs the generation audit: completions that are not what the claimed adapter would produce.
+
+Rewards are right in every batch here (recomputed anyway), so only the logprob audit
+(coordinator/audit.py) can catch them. mallory's keys are new, so every batch of hers is audited: at
+ingest on the shadow model when she claims an older version, or on the learner's own forward pass
+(verdict after the ack, before any gradient) when she claims the current one.
+She claims the versions named in her lease grants: a claim older than max_staleness is not audited at
+all (the learner drops such batches unread), which would prove nothing here.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from asyncrl.protocol import messages
+from asyncrl.protocol.identity import Identity
+from tests.adversarial.swarm import completion, replace_completions
+
+pytestmark = pytest.mark.integration
+
+
+def test_fabricated_logprobs(mallory, attack):
+    rec = attack("fabricated logprobs", "honest tokens, made-up logprobs (uniform random / all -0.01)")
+    rng = random.Random(0)
+    for make in (lambda n: [-rng.uniform(0.0, 4.0) for _ in range(n)], lambda n: [-0.01] * n):
+        ident = Identity.generate()
+        leases = mallory.lease(ident, 1)
+        current = mallory.follow()
+        groups = replace_completions(mallory.generate(leases, current), lambda c: messages.Completion(
+            c.token_ids, np.asarray(make(len(c.token_ids) // 4), dtype="<f4").tobytes(), c.reward, c.finish_reason))
+        code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.coordinator_version))))
+        rec.saw(code)
+        assert code == "LOGPROB_MISMATCH"
+
+
+def test_fabricated_completions(mallory, attack):
+    rec = attack("fabricated completions", "hand-written rewarded answers with confident made-up logprobs")
+    from asyncrl import tasks
+
+    ident = Identity.generate()
+    leases = mallory.lease(ident, 1)
+    current = mallory.follow()
+    tok = mallory.engine.tokenizer
+    groups = []
+    for lease in leases:
+        ids = tok(lease.answer * 8)["input_ids"][:8]
+        reward = tasks.score(lease.reward, tok.decode(ids, skip_special_tokens=True), lease.answer)
+        comps = tuple(completion(ids, [-0.01] * len(ids), reward) for _ in range(lease.group_size))
+        groups.append(messages.RolloutGroup(lease_id=lease.lease_id, prompt_id=lease.prompt_id,
+                                            prompt_token_ids=lease.prompt_token_ids, completions=comps))
+    code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.coordinator_version))))
+    rec.saw(code)
+    assert code == "LOGPROB_MISMATCH"
+
+
+def test_completions_from_another_adapter_version(mallory, swarm, attack):
+    rec = attack("wrong adapter version", "generated with an old version but claimed current; and the reverse")
+    oldest = min(mallory.adapters)
+    current = mallory.follow(at_least=oldest + 3)  # let the policy move on from what she kept
+    # (a) old tokens and logprobs, claimed as the current version (dodging the staleness bound)
+    ident = Identity.generate()
+    leases = mallory.lease(ident, 1)
+    current = mallory.follow()
+    groups = mallory.generate(leases, mallory.adapters[oldest])
+    code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.coordinator_version))))
+    rec.saw(code)
+    assert code == "LOGPROB_MISMATCH"
+    # (b) her newest tokens, claimed as another version that is still held (max_staleness is 16 here).
+    # Far apart: late in training adjacent versions can be closer than the tolerance — and
+    # then the claim is also harmless (docs/SECURITY.md); the calibration covers 1-4 apart early on.
+    ident = Identity.generate()
+    leases = mallory.lease(ident, 1)
+    current = mallory.follow()
+    groups = mallory.generate(leases, current)
+    cv = mallory.coordinator_version  # claim whichever end of the held window is farther from her version
+    claim = max((max(0, cv - 10), cv), key=lambda c: abs(c - current.version))
+    code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, claim))))
+    rec.saw(code)
+    assert code == "LOGPROB_MISMATCH"
+
+
+def test_completions_from_another_base_model(mallory, attack):
+    rec = attack("another base model", "the published adapter on a different base model (cheaper or poisoned)")
+    from asyncrl import tinymodel
+    from asyncrl.client.engine import TransformersEngine
+
+    ident = Identity.generate()
+    leases = mallory.lease(ident, 1)
+    current = mallory.follow()
+    other = tinymodel.write_tiny_model(tinymodel.default_tiny_model_dir().with_name("tiny-other-base"), seed=1)
+    engine = TransformersEngine(str(other), current.manifest.lora, seed=3)
+    groups = mallory.generate(leases, current, engine=engine)
+    code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.coordinator_version))))
+    rec.saw(code)
+    assert code == "LOGPROB_MISMATCH"

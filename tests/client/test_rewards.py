@@ -1,0 +1,59 @@
+"""Rewards: built-ins, math-verify with a time limit, third-party entry points."""
+
+import sys
+import textwrap
+
+import pytest
+
+from asyncrl import tasks
+
+
+def test_repeat_and_exact():
+    assert tasks.score("repeat", "aaaabbbb", "a") == 0.5
+    assert tasks.score("repeat", "", "a") == 0.0
+    assert tasks.score("exact", " 42 \n", "42") == 1.0
+    assert tasks.score("exact", "41", "42") == 0.0
+
+
+def test_math_reward_verifies_equivalent_answers():
+    assert tasks.score("math", "so the answer is $\\frac{1}{2}$", "0.5") == 1.0
+    assert tasks.score("math", "the answer is $3$", "4") == 0.0
+    assert tasks.score("math", "no number here", "4") == 0.0
+
+
+def test_math_reward_time_limit_scores_zero_and_recovers():
+    from asyncrl.math_reward import math_reward
+
+    # A tiny limit forces the timeout path (worker killed, 0 credit); the next call gets a fresh worker.
+    assert math_reward("$2^{2^{2^{2^{2}}}}$", "1", timeout_s=0.001) == 0.0
+    assert math_reward("the answer is $4$", "4") == 1.0
+
+
+def test_unknown_reward_is_a_clear_error():
+    with pytest.raises(tasks.UnknownReward):
+        tasks.get_reward("no-such-reward")
+
+
+def test_third_party_reward_through_entry_points(tmp_path, monkeypatch):
+    pkg = tmp_path / "acme_rewards"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("def shout(completion, answer):\n    return 1.0 if completion.isupper() else 0.25\n")
+    dist = tmp_path / "acme_rewards-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-rewards\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(textwrap.dedent("""
+        [asyncrl.rewards]
+        shout = acme_rewards:shout
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(tasks.REWARDS, "shout", raising=False)
+    assert tasks.score("shout", "HELLO", "") == 1.0
+    assert tasks.score("shout", "hello", "") == 0.25
+    tasks.REWARDS.pop("shout", None)
+
+
+def test_scores_are_clamped_into_unit_interval(monkeypatch):
+    monkeypatch.setitem(tasks.REWARDS, "wild", lambda c, a: 7.0)
+    assert tasks.score("wild", "x", "y") == 1.0
+    monkeypatch.setitem(tasks.REWARDS, "nan", lambda c, a: float("nan"))
+    assert tasks.score("nan", "x", "y") == 0.0

@@ -1,0 +1,152 @@
+"""Generation audit on the real tiny model: honest batches pass on both paths, forged ones fail, and a
+batch failing on the learner's own forward pass is dropped before its gradient is applied."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncrl import tasks, tinymodel
+from asyncrl.client.engine import TransformersEngine
+from asyncrl.coordinator.audit import Auditor, mismatch, shadow_model
+from asyncrl.coordinator.config import LORA_TARGETS
+from asyncrl.coordinator.learner import Learner, TrainGroup
+from asyncrl.coordinator.loss import LossConfig
+from asyncrl.lora import export_lora
+from asyncrl.protocol.errors import ProtocolError, RejectCode
+from asyncrl.protocol.messages import LoraSpec, SamplingParams
+
+SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=6)
+
+
+class Verdicts:
+    """Collects the auditor's verdict callbacks (what ingest would record)."""
+
+    def __init__(self):
+        self.seen: list[tuple[bytes, RejectCode | None, str]] = []
+
+    def __call__(self, batch_id, signer, code, stage):
+        self.seen.append((batch_id, code, stage))
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    path = str(tinymodel.write_tiny_model(tinymodel.default_tiny_model_dir()))
+    lora = LoraSpec(r=8, alpha=16.0, dropout=0.0, target_modules=LORA_TARGETS)
+    learner = Learner(path, lora, lr=5e-3, loss=LossConfig(), max_staleness=4)
+    verdicts = Verdicts()
+    auditor = Auditor(learner, tolerance=0.01, floor=0.05, keep_versions=5, on_verdict=verdicts)
+    learner.audit_hook = auditor.train_hook
+    engine = TransformersEngine(path, lora, seed=1)
+
+    def publish():
+        specs, blobs = export_lora(learner.model, "bf16")
+        auditor.remember_published(learner.version, specs, blobs, learner.steps)
+        engine.load_adapter(learner.version, specs, blobs)
+
+    publish()
+    return learner, auditor, engine, verdicts, publish
+
+
+def honest_groups(learner, engine, n=2, seed=0):
+    source = tasks.get_task("repeat", seed)
+    prompts = [next(source) for _ in range(n)]
+    ids = [learner.tokenizer(p.text)["input_ids"] for p in prompts]
+    out = []
+    for p, pid, samples in zip(prompts, ids, engine.generate(ids, 8, SAMPLING)):
+        rewards = [tasks.score("repeat", learner.tokenizer.decode(s.token_ids), p.answer) for s in samples]
+        out.append(TrainGroup(pid, [s.token_ids for s in samples], [list(s.logprobs) for s in samples], rewards,
+                              engine.version))
+    return out
+
+
+def move_policy(learner, engine, seed):
+    """One optimizer step that surely changes the adapter (rewards alternate, so advantages are non-zero)."""
+    groups = honest_groups(learner, engine, n=4, seed=seed)
+    for g in groups:
+        g.rewards = [float(j % 2) for j in range(len(g.rewards))]
+    assert learner.step(groups) is not None
+
+
+def forged(groups):
+    return [TrainGroup(g.prompt_ids, g.completions, [[-0.01] * len(c) for c in g.completions], g.rewards, g.version)
+            for g in groups]
+
+
+def test_shadow_model_shares_the_frozen_base(setup):
+    learner = setup[0]
+    shadow = shadow_model(learner.model)
+    mine = dict(learner.model.named_parameters())
+    for name, p in shadow.named_parameters():
+        assert (p.data_ptr() == mine[name].data_ptr()) == (not mine[name].requires_grad), name
+        assert not p.requires_grad
+
+
+def test_probability_follows_the_track_record(setup):
+    auditor = setup[1]
+    assert auditor.probability(0) == 1.0 and auditor.probability(1) == 1.0
+    assert auditor.probability(4) == 0.25 and auditor.probability(1000) == auditor.floor
+
+
+def test_mismatch_is_the_worst_completion_mean():
+    rec = torch.tensor([[-1.0, -1.0, 0.0], [-2.0, -2.0, -2.0]])
+    claimed = torch.tensor([[-1.0, -1.0, 0.0], [-2.0, -2.6, -2.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    assert mismatch(rec, claimed, mask) == pytest.approx(0.2)
+
+
+def test_ingest_time_audit_of_an_older_version(setup):
+    learner, auditor, engine, verdicts, publish = setup
+    old = honest_groups(learner, engine, seed=1)
+    move_policy(learner, engine, seed=2)
+    learner.version += 1
+    publish()
+    assert auditor.check(b"s", b"honest", 0, old, valid_streak=0, current_version=1) == "passed"
+    with pytest.raises(ProtocolError) as e:
+        auditor.check(b"s", b"forged", 0, forged(old), valid_streak=0, current_version=1)
+    assert e.value.code is RejectCode.LOGPROB_MISMATCH
+    with pytest.raises(ProtocolError) as e:  # generated with v0, claimed v1
+        auditor.check(b"s", b"wrong", 1, [TrainGroup(g.prompt_ids, g.completions, g.sampling_logprobs, g.rewards, 1)
+                                          for g in old], valid_streak=0, current_version=2)
+    assert e.value.code is RejectCode.LOGPROB_MISMATCH
+    with pytest.raises(ProtocolError) as e:
+        auditor.check(b"s", b"gone", 99, old, valid_streak=0, current_version=100)
+    assert e.value.code is RejectCode.STALE_VERSION
+
+
+def test_failing_batch_is_dropped_before_its_gradient(setup):
+    learner, auditor, engine, verdicts, publish = setup
+    v = learner.version
+    honest = honest_groups(learner, engine, seed=3)
+    liar = forged(honest_groups(learner, engine, seed=4))
+    assert auditor.check(b"alice", b"h", v, honest, valid_streak=0, current_version=v) == "deferred"
+    assert auditor.check(b"mallory", b"m", v, liar, valid_streak=0, current_version=v) == "deferred"
+    verdicts.seen.clear()
+    reused = auditor.stats["reused_learner_pass"]
+    result = learner.step(honest + liar)
+    assert result is not None and result.groups_used == len(honest)
+    assert sorted(verdicts.seen) == [(b"h", None, "train"), (b"m", RejectCode.LOGPROB_MISMATCH, "train")]
+    assert auditor.stats["reused_learner_pass"] == reused + 2  # no extra forward pass for either
+    # only liars in a step: nothing is trained at all
+    learner.version += 1
+    publish()
+    liar = forged(honest_groups(learner, engine, seed=5))
+    auditor.check(b"mallory", b"m2", learner.version, liar, valid_streak=0, current_version=learner.version)
+    steps = learner.steps
+    before = {k: p.detach().clone() for k, p in learner.model.named_parameters() if p.requires_grad}
+    assert learner.step(liar) is None and learner.steps == steps
+    assert all(torch.equal(p, before[k]) for k, p in learner.model.named_parameters() if p.requires_grad)
+
+
+def test_deferred_audit_falls_back_to_the_shadow_model_once_the_learner_moved_on(setup):
+    learner, auditor, engine, verdicts, publish = setup
+    v = learner.version
+    honest = honest_groups(learner, engine, seed=6)
+    auditor.check(b"alice", b"h2", v, honest, valid_streak=0, current_version=v)
+    move_policy(learner, engine, seed=7)  # weights change, version not yet bumped
+    verdicts.seen.clear()
+    shadow = auditor.stats["shadow_passes"]
+    result = learner.step(honest)
+    assert result is not None and result.groups_used == len(honest)
+    assert verdicts.seen == [(b"h2", None, "train")] and auditor.stats["shadow_passes"] == shadow + 1

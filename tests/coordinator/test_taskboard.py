@@ -1,0 +1,84 @@
+"""TaskBoard books: leases expire and are re-leased, counters balance, state survives a round trip."""
+
+from __future__ import annotations
+
+import json
+
+from asyncrl.coordinator.taskboard import LeaseRejected, TaskBoard
+from asyncrl.task_sources import open_source
+
+ALICE, BOB = b"a" * 32, b"b" * 32
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def board(clock, timeout=10.0):
+    return TaskBoard(open_source("repeat", seed=3), lease_timeout_s=timeout, max_leases_per_client=8, clock=clock)
+
+
+def test_expired_leases_are_released_to_someone_else_and_the_books_balance():
+    clock = FakeClock()
+    b = board(clock)
+    alice = b.lease(ALICE, 4)
+    clock.t += 11  # alice vanished
+    bob = b.lease(BOB, 6)
+    assert [l.prompt.prompt_id for l in bob[:4]] == [l.prompt.prompt_id for l in alice]
+    for lease in bob[:3]:
+        b.complete(lease.lease_id, BOB)
+    try:
+        b.complete(alice[0].lease_id, ALICE)
+        raise AssertionError("an expired lease was accepted")
+    except LeaseRejected:
+        pass
+    b.mark_trained(2)
+    b.mark_dropped(1)
+    c = b.counts()
+    assert (c["leased"], c["expired"], c["released"], c["completed"], c["outstanding"]) == (10, 4, 4, 3, 3)
+    assert b.balanced(queued_groups=0)
+    assert not b.balanced(queued_groups=1)
+
+
+def test_state_round_trip_continues_the_prompt_stream_and_refreshes_leases():
+    clock = FakeClock()
+    b = board(clock)
+    held = b.lease(ALICE, 3)
+    clock.t += 11
+    b.lease(BOB, 1)  # takes one requeued prompt; two still wait
+    state = json.loads(json.dumps(b.state()))  # JSON-able
+    counts = b.counts()
+    after = [l.prompt for l in b.lease(BOB, 4)]
+
+    clock.t += 1000  # the coordinator was down for a long time
+    restored = board(clock)
+    restored.restore(state)
+    assert restored.counts() == counts
+    again = [l.prompt for l in restored.lease(BOB, 4)]
+    assert again == after  # same requeued prompts, then the source continues where it was
+    bob_first = state["outstanding"][0]["lease_id"]
+    restored.complete(bob_first, BOB)  # a checkpointed lease is still honoured after a long outage
+    assert held[0].lease_id not in {d["lease_id"] for d in state["outstanding"]}
+
+
+def test_settle_replayed_accounts_wherever_the_prompt_is():
+    clock = FakeClock()
+    b = board(clock)
+    outstanding = b.lease(ALICE, 2)
+    state = b.state()
+    later = b.lease(ALICE, 1)[0]  # granted after the "checkpoint"
+
+    restored = board(clock)
+    restored.restore(state)
+    restored.settle_replayed(outstanding[0].prompt.prompt_id)  # was outstanding in the checkpoint
+    restored.settle_replayed(later.prompt.prompt_id)  # the checkpoint never saw this lease
+    got = restored.lease(BOB, 2)
+    assert later.prompt.prompt_id not in {l.prompt.prompt_id for l in got}  # never handed out twice
+    restored.mark_trained(2)
+    assert restored.balanced(queued_groups=0)
+    c = restored.counts()
+    assert (c["completed"], c["outstanding"]) == (2, 3)

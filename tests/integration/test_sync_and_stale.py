@@ -1,0 +1,98 @@
+"""--sync, --duty-cycle and --hold-version with real processes over loopback.
+
+- sync: once both volunteers are in, every step trains on one batch from each of them, all generated
+  with the current adapter (staleness 0); the duty-cycle volunteer rests in proportion to its work.
+- hold-version: a volunteer holding 2 versions back sends batches at least 2 versions stale, which an
+  unlimited-staleness learner trains on (with the IS correction), logging staleness metrics.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.integration
+
+STEP_METRICS = {"staleness_hist", "staleness_max", "ratio_mean", "ratio_min", "ratio_max", "clip_fraction",
+                "clip_low_fraction", "clip_high_fraction", "is_weight_mean", "is_truncated_fraction",
+                "dropped_stale", "dropped_total", "kl_mean", "loss"}
+
+
+def _events(run, kind):
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == kind]
+
+
+def _tail(proc, n=2500):
+    return proc.log_path.read_text()[-n:] if proc.log_path.exists() else "(no log)"
+
+
+def _start_coordinator(procs, run, *extra):
+    coord = procs.start("coordinator", ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny", "--run-dir",
+                                        str(run), "--threads", "1", "--prompts-per-lease", "2", *extra])
+    join = wait_for(lambda: (run / "join.txt").exists() and (run / "join.txt").read_text().strip(), 120,
+                    "the coordinator's join address")
+    return coord, join
+
+
+def _volunteer(procs, tmp_path, join, name, *extra):
+    return procs.start(name, ["-m", "asyncrl.client.cli", "join", join, "--name", name, "--data-dir",
+                              str(tmp_path / name), "--threads", "1", "--quiet", "--prompts-per-batch", "2", *extra])
+
+
+def test_sync_steps_on_every_live_volunteer_at_the_current_version(procs, tmp_path):
+    run = tmp_path / "run"
+    coord, join = _start_coordinator(procs, run, "--sync", "--max-steps", "6")
+    vols = [_volunteer(procs, tmp_path, join, "alice"),
+            _volunteer(procs, tmp_path, join, "bob", "--duty-cycle", "0.5")]
+    try:
+        coord.wait(timeout=400)
+    except Exception:
+        pytest.fail("coordinator did not finish:\n" + _tail(coord) + "\n".join(_tail(v) for v in vols))
+    assert coord.returncode == 0, _tail(coord)
+    for v in vols:
+        procs.signal(v, 15)
+        v.wait(60)
+    steps = _events(run, "step")
+    assert len(steps) == 6
+    for s in steps:
+        assert STEP_METRICS <= set(s), sorted(STEP_METRICS - set(s))
+        assert s["staleness_hist"] == {"0": s["groups"]}, s  # synchronous: all at the current version
+    # A volunteer still starting up is not live yet; from the first step both are in, every step has both.
+    first_full = next(i for i, s in enumerate(steps) if s["clients"] == ["alice", "bob"])
+    assert first_full < len(steps) - 2, [s["clients"] for s in steps]
+    assert all(s["clients"] == ["alice", "bob"] and s["groups"] == 4 for s in steps[first_full:])
+    bob = json.loads((tmp_path / "bob" / "status.json").read_text())
+    alice = json.loads((tmp_path / "alice" / "status.json").read_text())
+    assert bob["busy_s"] > 0 and bob["rested_s"] > 0.5 * bob["busy_s"]  # F = 0.5: rest ~ busy
+    assert alice["rested_s"] == 0.0
+
+
+def test_hold_version_sends_stale_batches_that_an_unlimited_learner_trains_on(procs, tmp_path):
+    run = tmp_path / "run"
+    coord, join = _start_coordinator(procs, run, "--max-steps", "8", "--max-staleness", "-1",
+                                      "--correction", "tis-token", "--groups-per-step", "2", "--min-groups", "2",
+                                      "--max-inflight-groups", "2")
+    vol = _volunteer(procs, tmp_path, join, "holder", "--hold-version", "2")
+    try:
+        coord.wait(timeout=400)
+    except Exception:
+        pytest.fail("coordinator did not finish:\n" + _tail(coord) + _tail(vol))
+    assert coord.returncode == 0, _tail(coord)
+    procs.signal(vol, 15)
+    vol.wait(60)
+    batches = _events(run, "batch")
+    assert batches
+    for b in batches:  # at least K = 2 versions behind whenever 2 older versions existed
+        newest_at_arrival = b["version"] + b["staleness"]
+        assert b["staleness"] >= min(2, newest_at_arrival), b
+    steps = _events(run, "step")
+    assert len(steps) == 8 and all(s["dropped_stale"] == 0 for s in steps)
+    assert max(s["staleness_max"] for s in steps) >= 2
+    status = json.loads((tmp_path / "holder" / "status.json").read_text())
+    assert max(status["versions_loaded"]) <= steps[-1]["version"] - 2 + 1  # never served the newest

@@ -1,0 +1,130 @@
+"""protocol/swarm.py: who may write pointer and presence records, and which pointer is newer."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from asyncrl.protocol import envelope, messages, swarm
+from asyncrl.protocol.errors import ProtocolError, RejectCode
+from asyncrl.protocol.identity import Identity
+
+COORD = Identity.from_seed(bytes(range(32)))
+MALLORY = Identity.from_seed(bytes(range(1, 33)))
+ALICE = Identity.from_seed(bytes(range(2, 34)))
+NOW = 1_800_000_000.0
+
+
+def pointer(version=3, *, published_at=NOW, sha=b"\x01" * 32, run="r") -> messages.AdapterPointer:
+    return messages.AdapterPointer(run_id=run, version=version, manifest_sha256=sha, keyframe_version=0,
+                                   published_at=published_at)
+
+
+def sealed_pointer(identity=COORD, *, at=NOW, **kw) -> bytes:
+    return envelope.seal(identity, swarm.POINTER_KIND, messages.encode(pointer(**kw)), now=at)
+
+
+def check(value, **kw):
+    return swarm.check_pointer(value, coordinator_key=COORD.public_key, run_id="r", now=NOW, **kw)
+
+
+def test_pointer_signed_by_the_coordinator_is_accepted():
+    p, ts = check(sealed_pointer(), expiration_time=NOW + swarm.POINTER_TTL_S)
+    assert (p.version, ts) == (3, NOW)
+
+
+@pytest.mark.parametrize("value, code", [
+    (sealed_pointer(MALLORY), RejectCode.NOT_ALLOWED),
+    (sealed_pointer(run="other"), RejectCode.WRONG_RUN),
+    (sealed_pointer(at=NOW + 3600), RejectCode.EXPIRED),  # signed in the future
+    (envelope.seal(COORD, "adapter_manifest", messages.encode(pointer()), now=NOW), RejectCode.MALFORMED),
+    (b"\x00" * 10, RejectCode.MALFORMED),
+])
+def test_other_pointers_are_refused(value, code):
+    with pytest.raises(ProtocolError) as exc:
+        check(value)
+    assert exc.value.code == code
+
+
+def test_a_replayed_pointer_cannot_outlive_its_signed_timestamp():
+    old = sealed_pointer(at=NOW - 3600)
+    check(old, expiration_time=NOW - 3600 + swarm.POINTER_TTL_S)  # as it was stored: fine
+    with pytest.raises(ProtocolError) as exc:  # re-stored by someone with a far-future expiration
+        check(old, expiration_time=NOW + 10 * swarm.POINTER_TTL_S)
+    assert exc.value.code == RejectCode.EXPIRED
+
+
+def test_reseal_keeps_the_payload_under_a_fresh_timestamp():
+    old = sealed_pointer(at=time.time() - 3600)
+    new = swarm.reseal_pointer(COORD, old)
+    p_old, ts_old = swarm.check_pointer(old, coordinator_key=COORD.public_key, run_id="r")
+    p_new, ts_new = swarm.check_pointer(new, coordinator_key=COORD.public_key, run_id="r")
+    assert p_old == p_new and ts_new > ts_old + 3000
+
+
+def test_which_pointer_is_newer():
+    held = pointer(5, published_at=NOW)
+    assert swarm.pointer_is_newer(held, None)
+    assert not swarm.pointer_is_newer(pointer(5, published_at=NOW + 9), held)  # same manifest: a refresh
+    assert swarm.pointer_is_newer(pointer(6, published_at=NOW + 1, sha=b"\x02" * 32), held)
+    # a restarted coordinator without its checkpoint: numbered lower, published later -> followed
+    assert swarm.pointer_is_newer(pointer(0, published_at=NOW + 60, sha=b"\x03" * 32), held)
+    # a replayed old pointer: published earlier -> never
+    assert not swarm.pointer_is_newer(pointer(4, published_at=NOW - 1, sha=b"\x04" * 32), held)
+
+
+def presence(identity=ALICE, **kw) -> swarm.PresenceRecord:
+    fields = dict(run_id="r", peer_id=identity.peer_id, name="alice", adapter_version=3, versions=(2, 3),
+                  serving=True, upload_bps=0, throughput=1.5, last_seen=NOW, maddrs=("/ip4/127.0.0.1/tcp/1",))
+    fields.update(kw)
+    return swarm.PresenceRecord(**fields)
+
+
+def check_presence(value, subkey=ALICE.peer_id, **kw):
+    return swarm.check_presence(value, subkey=subkey, run_id="r", now=NOW, **kw)
+
+
+def test_presence_signed_by_the_peer_it_names_is_accepted():
+    record = check_presence(envelope.seal(ALICE, swarm.PRESENCE_KIND, messages.encode(presence()), now=NOW),
+                            expiration_time=NOW + swarm.PRESENCE_TTL_S)
+    assert record.versions == (2, 3) and record.maddrs == ("/ip4/127.0.0.1/tcp/1",)
+
+
+def test_presence_for_someone_else_is_refused():
+    forged = envelope.seal(MALLORY, swarm.PRESENCE_KIND, messages.encode(presence()), now=NOW)
+    with pytest.raises(ProtocolError) as exc:  # mallory writes under alice's subkey
+        check_presence(forged)
+    assert exc.value.code == RejectCode.NOT_ALLOWED
+    claims_alice = envelope.seal(MALLORY, swarm.PRESENCE_KIND, messages.encode(presence(peer_id=ALICE.peer_id)),
+                                 now=NOW)
+    with pytest.raises(ProtocolError) as exc:  # under its own subkey, but describing alice
+        check_presence(claims_alice, subkey=MALLORY.peer_id)
+    assert exc.value.code == RejectCode.NOT_ALLOWED
+    with pytest.raises(ProtocolError) as exc:
+        check_presence(forged, subkey="not-a-peer-id")
+    assert exc.value.code == RejectCode.MALFORMED
+    with pytest.raises(ValueError):
+        swarm.seal_presence(MALLORY, presence())
+
+
+@pytest.mark.parametrize("bad, code", [
+    (dict(run_id="other"), RejectCode.WRONG_RUN),
+    (dict(versions=(-1,)), RejectCode.MALFORMED),
+    (dict(adapter_version=-5), RejectCode.MALFORMED),
+    (dict(throughput=float("nan")), RejectCode.MALFORMED),
+    (dict(upload_bps=-1), RejectCode.MALFORMED),
+])
+def test_malformed_presence_is_refused(bad, code):
+    value = envelope.seal(ALICE, swarm.PRESENCE_KIND, messages.encode(presence(**bad)), now=NOW)
+    with pytest.raises(ProtocolError) as exc:
+        check_presence(value)
+    assert exc.value.code == code
+
+
+def test_presence_expiration_is_bounded_by_its_signed_timestamp():
+    value = swarm.seal_presence(ALICE, presence())
+    with pytest.raises(ProtocolError) as exc:
+        swarm.check_presence(value, subkey=ALICE.peer_id, run_id="r",
+                             expiration_time=time.time() + 100 * swarm.PRESENCE_TTL_S)
+    assert exc.value.code == RejectCode.EXPIRED

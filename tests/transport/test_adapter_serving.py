@@ -1,0 +1,127 @@
+"""adapter_serving + swarm_fetch without a network: handlers called directly, the store's long poll,
+the upload pacing arithmetic, and which provider a fetcher asks for each chunk."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import threading
+
+import pytest
+
+from asyncrl.adapter_serving import AdapterServer, AdapterStore, TokenBucket, chunk_request, manifest_request
+from asyncrl.protocol.errors import ProtocolError, RejectCode
+from asyncrl.swarm_fetch import ProviderView, SwarmFetcher
+
+
+class TamperingProvider(AdapterServer):
+    def outgoing_chunk(self, version, index, data):
+        return b"X" + data[1:]
+
+
+def store_with(version=3, chunks=(b"aa", b"bb", None), keyframe=True) -> AdapterStore:
+    store = AdapterStore(keep=4)
+    held = store.begin(version, b"manifest", len(chunks), is_keyframe=keyframe)
+    for i, c in enumerate(chunks):
+        if c is not None:
+            store.put_chunk(version, i, c)
+    assert held.complete == all(c is not None for c in chunks)
+    return store
+
+
+def test_serves_held_chunks_and_refuses_the_rest():
+    server = AdapterServer(None, "r", store_with())
+    assert asyncio.run(server._chunk(chunk_request(3, 1), "p")) == b"bb"
+    assert asyncio.run(server._manifest(manifest_request(3), "p")) == b"manifest"
+    for request in (chunk_request(3, 2), chunk_request(4, 0), chunk_request(3, 9)):
+        with pytest.raises(ProtocolError) as exc:
+            asyncio.run(server._chunk(request, "p"))
+        assert exc.value.code == RejectCode.STALE_VERSION
+    with pytest.raises(ProtocolError) as exc:
+        asyncio.run(server._chunk(b"\x00" * 5, "p"))
+    assert exc.value.code == RejectCode.MALFORMED
+    assert server.stats.chunks_sent == 1 and server.stats.refused == 3
+    assert server.stats.bytes_by_version[3] == len(b"bb") + len(b"manifest")
+
+
+def test_a_long_poll_is_answered_when_the_chunk_arrives():
+    store = store_with()
+    hinted = []
+    store.on_unknown_version = hinted.append
+    server = AdapterServer(None, "r", store)
+
+    async def scenario():
+        waiting = asyncio.ensure_future(server._chunk(chunk_request(3, 2, wait_s=5.0), "p"))
+        await asyncio.sleep(0.05)
+        threading.Thread(target=store.put_chunk, args=(3, 2, b"cc")).start()  # another thread delivers it
+        got = await waiting
+        with pytest.raises(ProtocolError):  # nobody delivers this one: refused after the wait
+            await server._chunk(chunk_request(9, 0, wait_s=0.05), "p")
+        return got
+
+    assert asyncio.run(scenario()) == b"cc"
+    assert hinted == [9]  # a version newer than anything held: the follower is told to look now
+
+
+def test_a_tampering_subclass_changes_only_what_goes_out():
+    server = TamperingProvider(None, "r", store_with())
+    assert asyncio.run(server._chunk(chunk_request(3, 0), "p")) == b"Xa"
+    assert store_with().get(3).chunks[0] == b"aa"
+
+
+def test_token_bucket_paces_to_the_rate_after_the_burst():
+    bucket = TokenBucket(1000, burst_s=1.0)
+    bucket.last = 0.0
+    assert bucket.delay_for(1000, now=0.0) == 0.0  # the saved-up second
+    assert bucket.delay_for(500, now=0.0) == pytest.approx(0.5)
+    assert bucket.delay_for(500, now=0.0) == pytest.approx(1.0)  # concurrent senders queue up
+    assert bucket.delay_for(100, now=10.0) == 0.0  # idle time refills, up to the burst
+
+
+def test_prune_keeps_the_chain_from_the_newest_keyframe():
+    store = AdapterStore(keep=3)
+    for v in range(8):
+        store.begin(v, b"m", 1, is_keyframe=v in (0, 5))
+        store.put_chunk(v, 0, b"x")
+        store.prune()
+    assert store.complete_versions() == [5, 6, 7]
+    store.begin(8, b"m", 1, is_keyframe=False)
+    store.put_chunk(8, 0, b"x")
+    store.prune()
+    assert store.complete_versions() == [6, 7, 8]  # chain longer than `keep`: the newest `keep` stay
+
+
+class PlanOnlyNode:
+    """The fetcher's plan needs only the local peer id."""
+
+    peer_id = "me"
+
+
+def fetcher() -> SwarmFetcher:
+    return SwarmFetcher(PlanOnlyNode(), run_id="r", coordinator_peer_id="coord", store=AdapterStore())
+
+
+def test_plan_prefers_holders_then_the_seeder_then_the_coordinator():
+    f = fetcher()
+    view = ProviderView(seeders=("a", "b", "me"), holders={7: ("h1", "h2")})
+    for i in range(4):
+        plan = f.plan(7, i, view)
+        assert {p for p, _ in plan[:2]} == {"h1", "h2"} and plan[-1] == ("coord", 0.0)
+    firsts = {f.plan(7, i, view)[0][0] for i in range(4)}
+    assert firsts == {"h1", "h2"}  # requests spread over the holders
+    # Nobody holds v8 yet: chunk i's seeder is seeders[(i + 8) % 3], long-polled; our own turn goes
+    # straight to the coordinator.
+    plans = [[(p, w > 0) for p, w in f.plan(8, i, view)] for i in range(3)]
+    assert plans == [[("coord", False)], [("a", True), ("coord", False)], [("b", True), ("coord", False)]]
+
+
+def test_a_banned_provider_is_not_asked():
+    f = fetcher()
+    f._skip("h1", 600)
+    plan = f.plan(7, 0, ProviderView(seeders=(), holders={7: ("h1", "h2")}))
+    assert [p for p, _ in plan] == ["h2", "coord"]
+    assert f.banned == ["h1"]
+
+
+def test_requests_keep_the_old_wire_format_without_a_wait():
+    assert chunk_request(5, 2) == struct.pack(">QI", 5, 2) and manifest_request(5) == struct.pack(">Q", 5)
