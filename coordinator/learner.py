@@ -101,7 +101,7 @@ class Learner:
         if self.loss_cfg.beta > 0:  # reference = the base model: the same weights, adapter switched off
             with torch.no_grad(), self.model.disable_adapter():
                 ref = self._completion_logprobs(batch)
-        adv = group_advantages(batch["rewards"], batch["group_ids"], self.loss_cfg.scale_rewards)
+        adv = group_advantages(batch["rewards"], batch["group_ids"], self.loss_cfg.scale_rewards).to(logps.device)
         stats = grpo_loss(logps, batch["sampling_logps"], adv, batch["mask"], self.loss_cfg, ref_logps=ref)
         self.optimizer.zero_grad(set_to_none=True)
         stats.loss.backward()
