@@ -13,7 +13,10 @@ Who is asked for chunk i of version v (`SwarmFetcher.plan`), in order:
   3. the coordinator — always last, and the only source when no peer is known.
 A chunk that fails its sha256 against the signed manifest bans its provider (BAN_S) and is asked of
 the next candidate; a provider that vanishes or refuses is skipped for this chunk. Candidates are
-re-planned (fresh presence) and retried with backoff until `fetch_timeout_s`.
+re-planned (fresh presence) and retried with backoff until `fetch_timeout_s`. If the *coordinator*
+says it does not hold the version (STALE_VERSION: pruned, or it restarted and publishes other versions
+now), the fetch is abandoned at once, so the follower goes back to the pointer instead of waiting for
+bytes nobody will serve.
 
 Chunks are put into the local AdapterStore as soon as they verify, so this peer serves them
 (long polls included) while it is still downloading. Runs on the SwarmNode's event loop; the
@@ -88,7 +91,7 @@ class SwarmFetcher:
     def __init__(self, node, *, run_id: str, coordinator_peer_id: str, store: AdapterStore,
                  presence: Callable[[], dict[str, swarm.PresenceRecord]] | None = None,
                  serving_self: bool = True, max_peer_requests: int = 16, max_coordinator_requests: int = 4,
-                 peer_wait_s: float = 4.0, request_timeout_s: float = 60.0, fetch_timeout_s: float = 300.0):
+                 peer_wait_s: float = 4.0, request_timeout_s: float = 60.0, fetch_timeout_s: float = 120.0):
         self.node = node
         self.run_id = run_id
         self.coordinator = coordinator_peer_id
@@ -157,8 +160,10 @@ class SwarmFetcher:
                     raw = await asyncio.wait_for(
                         self.node.acall(peer, handler_name(self.run_id, "manifest"), manifest_request(version),
                                         max_response_bytes=limits.MAX_MANIFEST_BYTES), self.request_timeout_s)
-                except ProtocolError:
+                except ProtocolError as exc:
                     self.stats.refusals += 1
+                    if peer == self.coordinator and exc.code == RejectCode.STALE_VERSION:
+                        raise  # the source of truth does not hold it (any more): back to the pointer
                     continue
                 except Exception:
                     self.stats.failures += 1
@@ -219,6 +224,11 @@ class SwarmFetcher:
         tasks = [asyncio.ensure_future(one(i)) for i in order]
         try:
             await asyncio.gather(*tasks)
+        except BaseException:
+            held_now = self.store.get(version)
+            if held_now is not None and not held_now.complete:
+                self.store.drop(version)  # an abandoned partial copy would never be completed or pruned
+            raise
         finally:
             for t in tasks:
                 t.cancel()
@@ -233,8 +243,10 @@ class SwarmFetcher:
                 self.node.acall(peer, handler_name(self.run_id, "chunk"), chunk_request(manifest.version, index, wait_s),
                                 max_response_bytes=manifest.chunk_bytes),
                 wait_s + self.request_timeout_s)
-        except ProtocolError:
+        except ProtocolError as exc:
             self.stats.refusals += 1  # not held (yet): not the provider's fault
+            if peer == self.coordinator and exc.code == RejectCode.STALE_VERSION:
+                raise  # the coordinator does not hold this version: abandon the fetch (see module docstring)
             return None
         except Exception:
             self.stats.failures += 1  # vanished, unreachable or timed out

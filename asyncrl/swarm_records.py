@@ -105,11 +105,18 @@ class PointerRecord:
         self.key = swarm.pointer_key(run_id, identity.peer_id)
         self.peers = peers
         self.pushed = 0
+        self.last: bytes | None = None
 
     def store(self, sealed_pointer: bytes) -> bool:
+        self.last = sealed_pointer
         if self.peers is not None:
-            self.node.loops.submit(self._push(sealed_pointer, list(self.peers())))  # does not wait
+            self.push_to(list(self.peers()))
         return self.node.store(self.key, sealed_pointer, swarm.POINTER_TTL_S)
+
+    def push_to(self, peers: list[str]) -> None:
+        """Push the latest pointer to `peers` in the background (does not wait)."""
+        if self.last is not None and peers:
+            self.node.loops.submit(self._push(self.last, peers))
 
     async def _push(self, sealed_pointer: bytes, peers: list[str]) -> None:
         import asyncio
@@ -231,6 +238,7 @@ class PresenceTracker:
         self.node, self.run_id, self.every_s = node, run_id, every_s
         self.peers_path = peers_path
         self._saved: dict[str, list[str]] = {}
+        self.called_back: set[str] = set()  # answered call_back(): treated as serving until presence says otherwise
         self._records: dict[str, swarm.PresenceRecord] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -259,8 +267,8 @@ class PresenceTracker:
                 _write_json(self.peers_path, {"peers": known})
                 self._saved = known
 
-    def call_back(self) -> int:
-        """Dial every volunteer remembered in `peers_path` (in this thread); returns how many answered."""
+    def call_back(self) -> list[str]:
+        """Dial every volunteer remembered in `peers_path` (in this thread); returns those that answered."""
         import json
 
         from asyncrl.bootstrap import rejoin
@@ -268,15 +276,19 @@ class PresenceTracker:
         try:
             self._saved = json.loads(self.peers_path.read_text())["peers"]
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return 0
-        answered = 0
+            return []
+        answered = []
         for peer, maddrs in list(self._saved.items())[:MAX_CALL_BACKS]:
-            answered += rejoin(self.node, [f"{m.split('/p2p/')[0]}/p2p/{peer}" for m in maddrs])
+            if rejoin(self.node, [f"{m.split('/p2p/')[0]}/p2p/{peer}" for m in maddrs]):
+                answered.append(peer)
+        with self._lock:
+            self.called_back = set(answered)
         return answered
 
     def serving_peers(self) -> list[str]:
         with self._lock:
-            return [p for p, r in self._records.items() if r.serving]
+            return sorted({p for p, r in self._records.items() if r.serving}
+                          | (self.called_back - set(self._records)))
 
     def snapshot(self, current_version: int) -> list[dict]:
         with self._lock:
@@ -287,3 +299,11 @@ class PresenceTracker:
                  "versions_served": list(r.versions), "serving": r.serving, "upload_bps": r.upload_bps,
                  "throughput": r.throughput, "last_seen": r.last_seen, "age_s": round(now - r.last_seen, 1)}
                 for r in sorted(records, key=lambda r: r.name)]
+
+
+def call_back_then_push(tracker: PresenceTracker, pointer: PointerRecord) -> None:
+    """After a coordinator restart: dial the volunteers it knew, then push them the current pointer at once
+    (its first publish happened before anyone was connected, so nobody was told)."""
+    answered = tracker.call_back()
+    if answered:
+        pointer.push_to(answered)

@@ -23,6 +23,7 @@ import asyncio
 import logging
 import socket
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Sequence
@@ -238,10 +239,16 @@ class SwarmNode:
         if not self.dht.is_alive():
             raise TransportError(f"DHT store of {key!r}: the DHT process has exited")
         future = self.dht.store(key, value, get_dht_time() + ttl, subkey=subkey, return_future=True)
-        try:
-            return bool(future.result(timeout=timeout))
-        except Exception as exc:
-            raise TransportError(f"DHT store of {key!r}: {exc.__class__.__name__}: {exc}") from None
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return bool(future.result(timeout=1.0))
+            except TimeoutError:
+                if self.dht.is_alive() and time.monotonic() < deadline:
+                    continue  # still working; a dead DHT process would never answer
+                raise TransportError(f"DHT store of {key!r}: no answer (DHT process alive: {self.dht.is_alive()})")
+            except Exception as exc:
+                raise TransportError(f"DHT store of {key!r}: {exc.__class__.__name__}: {exc}") from None
 
     def get(self, key: str, latest: bool = True):
         """The raw value (bytes) or {subkey: bytes} for dictionary keys; None when absent."""

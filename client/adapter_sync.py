@@ -171,26 +171,26 @@ class AdapterSync:
                     raise ProtocolError(RejectCode.MALFORMED, "delta chain longer than any keyframe interval")
                 chain.append(self._manifest(chain[-1].parent_version))
             timings = {"manifests_s": time.monotonic() - t0, "chunks_s": 0.0, "decode_s": 0.0}
-            try:
-                for manifest in reversed(chain):
-                    parent = self._held.get(manifest.parent_version) if manifest.parent_version is not None else None
-                    t1 = time.monotonic()
-                    payload = self._payload(manifest)
-                    t2 = time.monotonic()
+            for manifest in reversed(chain):
+                parent = self._held.get(manifest.parent_version) if manifest.parent_version is not None else None
+                t1 = time.monotonic()
+                payload = self._payload(manifest)  # every chunk verified against the signed manifest
+                t2 = time.monotonic()
+                try:
                     tensors = codec.decode(manifest.codec, manifest.tensors, payload,
                                            parent.tensors if parent else None, max_raw_bytes=manifest.raw_bytes)
-                    timings["chunks_s"] += t2 - t1
-                    timings["decode_s"] += time.monotonic() - t2
-                    held = AdapterVersion(manifest.version, manifest, tensors)
-                    self._held[manifest.version] = held
-            except ProtocolError:
-                # A delta that does not fit its parent (crc32): a parent from another run of the coordinator.
-                # Start over from the keyframe, with manifests from the coordinator itself.
-                for manifest in chain:
-                    self.store.drop(manifest.version)
-                self._held.clear()
-                self._coordinator_manifests_only = True
-                raise
+                except ProtocolError:
+                    # Verified chunks that do not decode (crc32): a delta against a parent from another run of
+                    # the coordinator. Start over from the keyframe, with manifests from the coordinator itself.
+                    for m in chain:
+                        self.store.drop(m.version)
+                    self._held.clear()
+                    self._coordinator_manifests_only = True
+                    raise
+                timings["chunks_s"] += t2 - t1
+                timings["decode_s"] += time.monotonic() - t2
+                held = AdapterVersion(manifest.version, manifest, tensors)
+                self._held[manifest.version] = held
             self._coordinator_manifests_only = False
             for v in [v for v in self._held if v < start]:  # only the newest is needed as a parent
                 del self._held[v]

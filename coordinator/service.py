@@ -101,14 +101,15 @@ class Coordinator:
         self.node = SwarmNode(host_maddrs=[f"/ip4/{cfg.host}/tcp/{cfg.port}"], announce_maddrs=cfg.announce or None,
                               identity_path=str(self.run_dir / "p2p.identity"))
         assert self.node.peer_id == self.identity.peer_id, "p2pd did not adopt the coordinator key"
-        from asyncrl.swarm_records import PointerRecord, PresenceTracker, install_validator
+        from asyncrl.swarm_records import PointerRecord, PresenceTracker, call_back_then_push, install_validator
 
         install_validator(self.node, cfg.run_id, self.node.peer_id)  # only our key may write our pointer
         # Volunteers' version lag; their addresses in peers.json, dialled back after a restart.
         self.presence_tracker = PresenceTracker(self.node, cfg.run_id, peers_path=self.run_dir / "peers.json")
-        threading.Thread(target=self.presence_tracker.call_back, name="call-back", daemon=True).start()
         self.presence_tracker.start()
         self.pointer = PointerRecord(self.node, self.identity, cfg.run_id, peers=self.presence_tracker.serving_peers)
+        threading.Thread(target=call_back_then_push, args=(self.presence_tracker, self.pointer), name="call-back",
+                         daemon=True).start()
 
         from asyncrl.coordinator import checkpoint
         from asyncrl.coordinator.ingest import Ingest

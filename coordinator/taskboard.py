@@ -103,11 +103,11 @@ class TaskBoard:
 
     def abandon(self, lease_ids, client: bytes) -> int:
         """The holder's batch for these leases was refused: end them now, as if they had expired (their
-        prompts go back to the front of the queue). Unknown ids and other clients' leases are ignored."""
+        prompts are requeued for someone else). Unknown ids and other clients' leases are ignored."""
         with self._lock:
             gone = [lid for lid in lease_ids if lid in self._outstanding and self._outstanding[lid].client == client]
             for lid in gone:
-                self._requeued.appendleft(self._outstanding.pop(lid).prompt)
+                self._requeued.append(self._outstanding.pop(lid).prompt)
             self.expired += len(gone)
             return len(gone)
 

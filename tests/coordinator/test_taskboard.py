@@ -82,3 +82,15 @@ def test_settle_replayed_accounts_wherever_the_prompt_is():
     assert restored.balanced(queued_groups=0)
     c = restored.counts()
     assert (c["completed"], c["outstanding"]) == (2, 3)
+
+
+def test_a_refused_batchs_leases_end_at_once_and_only_for_their_holder():
+    clock = FakeClock()
+    b = board(clock)
+    held = b.lease(ALICE, 2)
+    assert b.abandon([l.lease_id for l in held], BOB) == 0  # not bob's to end
+    assert b.abandon([held[0].lease_id, "no-such-lease"], ALICE) == 1
+    assert b.lease(BOB, 1)[0].prompt == held[0].prompt  # re-leased without waiting for the timeout
+    c = b.counts()
+    assert (c["expired"], c["released"], c["outstanding"]) == (1, 1, 2)
+    assert b.balanced(queued_groups=0)

@@ -42,10 +42,17 @@ def test_coordinator_killed_and_resumed(procs, tmp_path, free_port):
     first.wait(30)
     before = _events(run)
 
+    newest_before = max(e["version"] for e in before if e["event"] == "publish")
+
+    def loaded_after_restart(i: int) -> bool:  # the volunteer follows the new lineage without being restarted
+        path = tmp_path / f"vol-{i}" / "status.json"
+        return path.exists() and max(json.loads(path.read_text())["versions_loaded"] or [-1]) > newest_before
+
     second = procs.start("coordinator-2", [*coord_args, "--resume"])
     wait_for(lambda: (lambda after: sum(e["event"] == "step" for e in after) >= 4
                       and {e["client"] for e in after if e["event"] == "batch"} == {"vol-0", "vol-1"})
-             (_after_resume(_events(run))), 300, "both volunteers' batches accepted after the restart")
+             (_after_resume(_events(run))) and loaded_after_restart(0) and loaded_after_restart(1), 300,
+             "both volunteers on the new lineage, with batches accepted after the restart")
     procs.signal(second, signal.SIGTERM)
     assert second.wait(120) == 0, second.log_path.read_text()[-3000:]
     assert (run / "join.txt").read_text().strip() == join  # same identity, same port
@@ -66,12 +73,7 @@ def test_coordinator_killed_and_resumed(procs, tmp_path, free_port):
     ckpt_index = max(k for k, e in enumerate(before) if e["event"] == "checkpoint" and e["step"] == resume["from_step"])
     consumed = [i for e in before[:ckpt_index] + after if e["event"] in ("step", "dropped") for i in e["batch_ids"]]
     assert len(consumed) == len(set(consumed)), "a batch was trained twice"
-    assert resume["replayed_batches"] >= 0 and set(consumed) >= {  # journalled batches were trained, not lost
-        i for e in after if e["event"] in ("step", "dropped") for i in e["batch_ids"]}
 
     summary = json.loads((run / "summary.json").read_text())
     assert summary["trainer_steps"] >= resume["from_step"] + 4
     assert summary["leases_balanced"], summary["leases"]
-    for i in range(2):  # the volunteers followed the new lineage without being restarted
-        status = json.loads((tmp_path / f"vol-{i}" / "status.json").read_text())
-        assert max(status["versions_loaded"]) > max(published_before), status["versions_loaded"]

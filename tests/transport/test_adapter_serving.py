@@ -125,3 +125,30 @@ def test_a_banned_provider_is_not_asked():
 
 def test_requests_keep_the_old_wire_format_without_a_wait():
     assert chunk_request(5, 2) == struct.pack(">QI", 5, 2) and manifest_request(5) == struct.pack(">Q", 5)
+
+
+class NobodyHoldsItNetwork:
+    """Transport seam: every peer and the coordinator answer 'not held' (the coordinator restarted and
+    publishes other versions now)."""
+
+    peer_id = "me"
+
+    async def acall(self, peer, name, request, *, max_response_bytes):
+        raise ProtocolError(RejectCode.STALE_VERSION, "chunk not held")
+
+
+def test_a_fetch_is_abandoned_when_the_coordinator_no_longer_holds_the_version():
+    from asyncrl.protocol import codec, messages
+
+    store = AdapterStore()
+    f = SwarmFetcher(NobodyHoldsItNetwork(), run_id="r", coordinator_peer_id="coord", store=store, fetch_timeout_s=600)
+    chunks = [b"a" * 10, b"b" * 10]
+    manifest = messages.AdapterManifest(
+        run_id="r", version=6, parent_version=None, keyframe_version=6, base_model="m", base_revision="x",
+        lora=messages.LoraSpec(r=1, alpha=1.0, dropout=0.0, target_modules=("q",)), codec=codec.KEYFRAME_CODEC,
+        tensors=(messages.TensorSpec("t", "bf16", (10,)),), raw_bytes=20, compressed_bytes=20, chunk_bytes=10,
+        chunk_hashes=codec.chunk_hashes(chunks), created_at=0.0)
+    with pytest.raises(ProtocolError) as exc:  # at once, not after fetch_timeout_s
+        asyncio.run(asyncio.wait_for(f._payload(manifest, b"manifest"), 30))
+    assert exc.value.code == RejectCode.STALE_VERSION
+    assert store.get(6) is None  # the partial copy is gone
