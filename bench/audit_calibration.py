@@ -54,9 +54,10 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     from asyncrl import tasks, tinymodel
     from asyncrl.client.engine import TransformersEngine
-    from asyncrl.coordinator.audit import Auditor, collate, completion_logprobs, mismatch
+    from asyncrl.coordinator.audit import Auditor, completion_logprobs, mismatch
     from asyncrl.coordinator.config import CoordinatorConfig
     from asyncrl.coordinator.learner import Learner, TrainGroup
+    from asyncrl.coordinator.learner import collate_groups as collate
     from asyncrl.lora import export_lora
     from asyncrl.protocol.messages import LoraSpec, SamplingParams
 
@@ -148,7 +149,7 @@ def main(argv=None) -> int:
         for groups in batches:
             s0 = time.perf_counter()
             rec, b = auditor.shadow_logprobs(groups, v)
-            res["honest_shadow"].append(mismatch(rec, b["claimed"], b["mask"]))
+            res["honest_shadow"].append(mismatch(rec, b["sampling_logps"], b["mask"]))
             t_shadow += time.perf_counter() - s0
             n_shadow += 1
             llp, mask = learner_logprobs(groups)
@@ -171,7 +172,7 @@ def main(argv=None) -> int:
                 picked.append(TrainGroup(g.prompt_ids, [comp] * len(g.completions),
                                          [[-0.01] * len(comp)] * len(g.completions), g.rewards, v))
             rec, b = auditor.shadow_logprobs(picked, v)
-            res["cherry_picked_shadow"].append(mismatch(rec, b["claimed"], b["mask"]))
+            res["cherry_picked_shadow"].append(mismatch(rec, b["sampling_logps"], b["mask"]))
             llp, mask = learner_logprobs(picked)
             res["cherry_picked_learner"].append(mismatch(llp, claimed_tensor(picked, llp), mask))
         # another base model, same adapter
@@ -179,7 +180,7 @@ def main(argv=None) -> int:
         liar_engine.load_adapter(v, specs, blobs)
         liar = generate(liar_engine, v)
         rec, b = auditor.shadow_logprobs(liar, v)
-        res["other_base_shadow"].append(mismatch(rec, b["claimed"], b["mask"]))
+        res["other_base_shadow"].append(mismatch(rec, b["sampling_logps"], b["mask"]))
         llp, mask = learner_logprobs(liar)
         res["other_base_learner"].append(mismatch(llp, claimed_tensor(liar, llp), mask))
         # wrong version, both directions, up to max_staleness apart
@@ -189,19 +190,19 @@ def main(argv=None) -> int:
                 break
             for groups in history[u][:2]:  # generated with u, claimed v (= current)
                 rec, b = auditor.shadow_logprobs(groups, v)
-                res["wrong_version_shadow"].append(mismatch(rec, b["claimed"], b["mask"]))
+                res["wrong_version_shadow"].append(mismatch(rec, b["sampling_logps"], b["mask"]))
                 llp, mask = learner_logprobs(groups)
                 res["wrong_version_learner"].append(mismatch(llp, claimed_tensor(groups, llp), mask))
             for groups in batches[:1]:  # generated with v, claimed u (older)
                 rec, b = auditor.shadow_logprobs(groups, u)
-                res["wrong_version_shadow"].append(mismatch(rec, b["claimed"], b["mask"]))
+                res["wrong_version_shadow"].append(mismatch(rec, b["sampling_logps"], b["mask"]))
         history.pop(v - 4, None)
         if bf16_engine is not None and v % max(1, args.versions // max(1, args.bf16_probe)) == 0:
             bf16_engine.load_adapter(v, specs, blobs)
             for _ in range(max(1, args.bf16_probe // max(1, args.versions))):
                 groups = generate(bf16_engine, v)
                 rec, b = auditor.shadow_logprobs(groups, v)
-                res["bf16_volunteer_shadow"].append(mismatch(rec, b["claimed"], b["mask"]))
+                res["bf16_volunteer_shadow"].append(mismatch(rec, b["sampling_logps"], b["mask"]))
                 llp, mask = learner_logprobs(groups)
                 res["bf16_volunteer_learner"].append(mismatch(llp, claimed_tensor(groups, llp), mask))
         # train on two honest batches (8 groups: the default groups_per_step), publish the next version

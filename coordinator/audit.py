@@ -40,6 +40,8 @@ from typing import Callable
 
 import torch
 
+from asyncrl.coordinator.learner import collate_groups
+from asyncrl.coordinator.learner import completion_logprobs as learner_logprobs
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 
 DEFAULT_TOLERANCE = 0.01  # see docs/SECURITY.md: honest max 6e-4, attacks >= 1.5e-2 (tiny model)
@@ -61,46 +63,16 @@ def shadow_model(model):
     return shadow
 
 
-def collate(groups, pad_id: int, device) -> dict[str, torch.Tensor]:
-    """Right-padded prompt+completion rows, as the learner builds them (same row order)."""
-    rows, plens, clens, claimed, temps = [], [], [], [], []
-    for g in groups:
-        for comp, lp in zip(g.completions, g.sampling_logprobs):
-            rows.append(list(g.prompt_ids) + list(comp))
-            plens.append(len(g.prompt_ids))
-            clens.append(len(comp))
-            claimed.append(lp)
-            temps.append(g.temperature)
-    width, tmax = max(len(r) for r in rows), max(clens)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(rows), width), dtype=torch.long)
-    mask = torch.zeros((len(rows), tmax))
-    slp = torch.zeros((len(rows), tmax))
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r)
-        attn[i, :len(r)] = 1
-        mask[i, :clens[i]] = 1
-        slp[i, :clens[i]] = torch.tensor(claimed[i], dtype=torch.float32)
-    return {"ids": ids.to(device), "attn": attn.to(device), "mask": mask, "claimed": slp,
-            "prompt_lens": torch.tensor(plens), "temps": torch.tensor(temps, dtype=torch.float32)}
-
-
 @torch.no_grad()
 def completion_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """log pi(token) of every completion token, [rows, Tmax] (0 at padding), temperature applied."""
+    """The learner's completion logprobs (`learner.completion_logprobs`: same positions, temperature and
+    arithmetic as training), computed ROWS_PER_FORWARD rows at a time to bound the logits tensor; on CPU."""
+    rows = ("ids", "attn", "mask", "prompt_lens", "temps")
     out = []
-    tmax = batch["mask"].shape[1]
     for lo in range(0, batch["ids"].shape[0], ROWS_PER_FORWARD):
-        sl = slice(lo, lo + ROWS_PER_FORWARD)
-        ids, attn = batch["ids"][sl], batch["attn"][sl]
-        logits = model(input_ids=ids, attention_mask=attn).logits.float()
-        logits = logits / batch["temps"][sl].to(logits.device).view(-1, 1, 1)
-        pos = batch["prompt_lens"][sl].view(-1, 1) - 1 + torch.arange(tmax).view(1, -1)
-        pos = pos.clamp(max=logits.shape[1] - 1).to(logits.device)
-        picked = logits.gather(1, pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-        targets = ids.gather(1, (pos + 1).clamp(max=ids.shape[1] - 1))
-        out.append(torch.log_softmax(picked, dim=-1).gather(2, targets.unsqueeze(-1)).squeeze(-1).cpu())
-    return torch.cat(out) * batch["mask"]
+        part = {k: batch[k][lo:lo + ROWS_PER_FORWARD] for k in rows}
+        out.append(learner_logprobs(model, part).cpu())
+    return torch.cat(out)
 
 
 def mismatch(recomputed: torch.Tensor, claimed: torch.Tensor, mask: torch.Tensor) -> float:
@@ -258,7 +230,7 @@ class Auditor:
 
     def shadow_logprobs(self, groups, version: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Recompute `groups`' completion logprobs under held `version` on the shadow model:
-        ([rows, T] logprobs, the collated batch with its "claimed" and "mask" tensors)."""
+        ([rows, T] logprobs, the collated batch with its "sampling_logps" (claimed) and "mask" tensors)."""
         from asyncrl.lora import load_lora
 
         with self._lock:
@@ -268,14 +240,14 @@ class Auditor:
             if self._loaded != version:
                 load_lora(self.model, tensors)
                 self._loaded = version
-            batch = collate(groups, self.learner.tokenizer.pad_token_id, self.learner.device)
+            batch = collate_groups(groups, self.learner.tokenizer.pad_token_id, self.learner.device)
             recomputed = completion_logprobs(self.model, batch)
             self.stats["shadow_passes"] += 1
         return recomputed, batch
 
     def _shadow_mismatch(self, groups, version: int) -> float:
         recomputed, batch = self.shadow_logprobs(groups, version)
-        return mismatch(recomputed, batch["claimed"], batch["mask"])
+        return mismatch(recomputed, batch["sampling_logps"], batch["mask"])
 
     def _judge(self, stat: float, batch_id: bytes, signer: bytes, stage: str, *, raise_on_fail: bool) -> None:
         if stat <= self.tolerance:

@@ -129,57 +129,64 @@ class Learner:
         )
 
     def _collate(self, groups: list[TrainGroup]) -> dict[str, torch.Tensor]:
-        """Right-padded [B, T] prompt+completion rows; completion positions flagged in `mask`."""
-        rows, prompt_lens, comp_lens, rewards, gids, samp, temps = [], [], [], [], [], [], []
-        for gi, g in enumerate(groups):
-            for comp, lp, r in zip(g.completions, g.sampling_logprobs, g.rewards):
-                rows.append(list(g.prompt_ids) + list(comp))
-                prompt_lens.append(len(g.prompt_ids))
-                comp_lens.append(len(comp))
-                samp.append(lp)
-                rewards.append(r)
-                gids.append(gi)
-                temps.append(g.temperature)
-        width = max(len(r) for r in rows)
-        tmax = max(comp_lens)
-        pad = self.tokenizer.pad_token_id
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        attn = torch.zeros((len(rows), width), dtype=torch.long)
-        mask = torch.zeros((len(rows), tmax))
-        slp = torch.zeros((len(rows), tmax))
-        for i, r in enumerate(rows):
-            ids[i, :len(r)] = torch.tensor(r)
-            attn[i, :len(r)] = 1
-            mask[i, :comp_lens[i]] = 1
-            slp[i, :comp_lens[i]] = torch.tensor(samp[i], dtype=torch.float32)
-        return {"ids": ids.to(self.device), "attn": attn.to(self.device), "mask": mask.to(self.device),
-                "sampling_logps": slp.to(self.device), "rewards": torch.tensor(rewards, dtype=torch.float32),
-                "group_ids": torch.tensor(gids), "prompt_lens": torch.tensor(prompt_lens),
-                "comp_lens": torch.tensor(comp_lens), "temps": torch.tensor(temps, dtype=torch.float32)}
+        return collate_groups(groups, self.tokenizer.pad_token_id, self.device)
 
     def _completion_logprobs(self, batch) -> torch.Tensor:
-        """log pi(token) for every completion token, [B, Tmax], under the same temperature as sampling.
+        return completion_logprobs(self.model, batch)
 
-        Cost matters here (bench/learner_throughput.py): the LM head runs only from the first position
-        that predicts a completion token (`logits_to_keep`), and the log-probability of the taken
-        token is gather - logsumexp (TRL's selective_log_softmax) instead of a full-vocabulary
-        log_softmax copy; the [B, T] result is then shifted into completion-aligned columns.
-        """
-        ids = batch["ids"]
-        B, tmax = batch["mask"].shape
-        width = ids.shape[1]
-        start = int(batch["prompt_lens"].min()) - 1  # first position whose next token is a completion token
-        keep = width - start
-        logits = self.model(input_ids=ids, attention_mask=batch["attn"], logits_to_keep=keep).logits
-        logits = logits[:, :-1]  # the last position predicts nothing we train on
-        if logits.dtype != torch.float32:
-            logits = logits.float()
-        temps = batch["temps"]
-        if not bool((temps == 1.0).all()):
-            logits = logits / temps.to(logits.device).view(-1, 1, 1)
-        targets = ids[:, start + 1:]
-        logp = logits.gather(2, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-        # completion token j of row i sits at position prompt_len + j, predicted by position - 1
-        col = batch["prompt_lens"].view(-1, 1) - 1 - start + torch.arange(tmax).view(1, -1)
-        col = col.clamp(max=max(0, logp.shape[1] - 1)).to(logp.device)
-        return logp.gather(1, col) * batch["mask"]
+
+def collate_groups(groups: list[TrainGroup], pad_id: int, device) -> dict[str, torch.Tensor]:
+    """Right-padded [B, T] prompt+completion rows; completion positions flagged in `mask`."""
+    rows, prompt_lens, comp_lens, rewards, gids, samp, temps = [], [], [], [], [], [], []
+    for gi, g in enumerate(groups):
+        for comp, lp, r in zip(g.completions, g.sampling_logprobs, g.rewards):
+            rows.append(list(g.prompt_ids) + list(comp))
+            prompt_lens.append(len(g.prompt_ids))
+            comp_lens.append(len(comp))
+            samp.append(lp)
+            rewards.append(r)
+            gids.append(gi)
+            temps.append(g.temperature)
+    width = max(len(r) for r in rows)
+    tmax = max(comp_lens)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), tmax))
+    slp = torch.zeros((len(rows), tmax))
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r)
+        attn[i, :len(r)] = 1
+        mask[i, :comp_lens[i]] = 1
+        slp[i, :comp_lens[i]] = torch.tensor(samp[i], dtype=torch.float32)
+    return {"ids": ids.to(device), "attn": attn.to(device), "mask": mask.to(device),
+            "sampling_logps": slp.to(device), "rewards": torch.tensor(rewards, dtype=torch.float32),
+            "group_ids": torch.tensor(gids), "prompt_lens": torch.tensor(prompt_lens),
+            "comp_lens": torch.tensor(comp_lens), "temps": torch.tensor(temps, dtype=torch.float32)}
+
+
+def completion_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """log pi(token) for every completion token, [B, Tmax], under the same temperature as sampling.
+
+    Cost matters here (bench/learner_throughput.py): the LM head runs only from the first position
+    that predicts a completion token (`logits_to_keep`), and the log-probability of the taken
+    token is gather - logsumexp (TRL's selective_log_softmax) instead of a full-vocabulary
+    log_softmax copy; the [B, T] result is then shifted into completion-aligned columns.
+    """
+    ids = batch["ids"]
+    B, tmax = batch["mask"].shape
+    width = ids.shape[1]
+    start = int(batch["prompt_lens"].min()) - 1  # first position whose next token is a completion token
+    keep = width - start
+    logits = model(input_ids=ids, attention_mask=batch["attn"], logits_to_keep=keep).logits
+    logits = logits[:, :-1]  # the last position predicts nothing we train on
+    if logits.dtype != torch.float32:
+        logits = logits.float()
+    temps = batch["temps"]
+    if not bool((temps == 1.0).all()):
+        logits = logits / temps.to(logits.device).view(-1, 1, 1)
+    targets = ids[:, start + 1:]
+    logp = logits.gather(2, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    # completion token j of row i sits at position prompt_len + j, predicted by position - 1
+    col = batch["prompt_lens"].view(-1, 1) - 1 - start + torch.arange(tmax).view(1, -1)
+    col = col.clamp(max=max(0, logp.shape[1] - 1)).to(logp.device)
+    return logp.gather(1, col) * batch["mask"]
