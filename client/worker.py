@@ -26,7 +26,7 @@ import numpy as np
 
 from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.errors import ProtocolError, RejectCode
-from asyncrl.protocol.identity import Identity, public_key_from_peer_id
+from asyncrl.protocol.identity import Identity
 
 # Test-only fault injection (hivemind-style): ASYNCRL_FAULT=pause-after-spool makes the volunteer stop
 # between writing a batch to the outbox and uploading it, so a test can SIGKILL it at exactly that point.
@@ -118,7 +118,7 @@ class Volunteer:
     # ---- start-up ---------------------------------------------------------------------------
     def connect(self, run_id: str | None = None, timeout: float = 60.0) -> None:
         from asyncrl.client.adapter_sync import AdapterSync
-        from asyncrl.transport import SwarmNode, check_reachable
+        from asyncrl.transport import check_reachable
 
         check_reachable(self.addr)
         from asyncrl.client.swarm_member import SwarmMembership, open_node

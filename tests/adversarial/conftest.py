@@ -10,7 +10,7 @@ import pytest
 
 from tests.adversarial.swarm import (COORDINATOR_FLAGS, AttackRecord, Mallory, Swarm, read_json, wait_for,
                                      write_artifact)
-from tests.conftest import Procs
+from tests.conftest import Procs, wait_for_join
 
 
 @pytest.fixture(scope="package")  # torn down (processes reaped) after the suite
@@ -23,8 +23,7 @@ def swarm(tmp_path_factory):
     coord = procs.start("coordinator", ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny", "--run-dir",
                                         str(run), "--banlist", str(banlist), *COORDINATOR_FLAGS])
     try:
-        join = wait_for(lambda: (run / "join.txt").exists() and (run / "join.txt").read_text().strip(), 240,
-                        "the coordinator's join address")
+        join = wait_for_join(run, 240)
         honest = {}
         for seed, name in enumerate(("alice", "bob"), 1):
             honest[name] = root / name

@@ -37,7 +37,7 @@ def attack_table(data: dict) -> str:
         f"during the suite), rejected {end[name]['client_rejected'] or '{}'}" for name in sorted(end))
     audit = (data.get("trust") or {}).get("audit") or {}
     cost = audit.get("cost_fraction_of_learner")
-    tail = [f"", f"{len(rows)} attack kinds, {sum(r['tried'] for r in rows)} attempts, "
+    tail = ["", f"{len(rows)} attack kinds, {sum(r['tried'] for r in rows)} attempts, "
             f"{sum(r['rejected'] for r in rows)} rejected; honest volunteers — {honest}."]
     if audit:
         tail.append(f"Audit during the suite: {audit.get('audited', 0)} batches audited "

@@ -22,6 +22,7 @@ import numpy as np
 from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import Identity, fingerprint, public_key_from_peer_id
+from tests.conftest import wait_for  # one polling helper for every suite (re-exported below)
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACT = REPO / "tests" / "artifacts" / "adversarial.json"
@@ -43,16 +44,6 @@ def read_json(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.25):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 @dataclass

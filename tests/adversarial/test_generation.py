@@ -42,7 +42,7 @@ def test_fabricated_completions(mallory, attack):
 
     ident = Identity.generate()
     leases = mallory.lease(ident, 1)
-    current = mallory.follow()
+    mallory.follow()  # hold the current adapter (the audit compares against it)
     tok = mallory.engine.tokenizer
     groups = []
     for lease in leases:

@@ -1,6 +1,5 @@
 """Rewards: built-ins, math-verify with a time limit, third-party entry points."""
 
-import sys
 import textwrap
 
 import pytest

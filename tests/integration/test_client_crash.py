@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from tests.conftest import wait_for
+from tests.conftest import wait_for, wait_for_join
 
 pytestmark = pytest.mark.integration
 
@@ -25,8 +25,7 @@ def test_killed_after_spool_is_accepted_exactly_once(procs, tmp_path):
     coord = procs.start("coordinator", ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny",
                                         "--run-dir", str(run), "--max-steps", "0", "--threads", "1",
                                         "--groups-per-step", "4", "--min-groups", "1", "--max-wait-s", "1"])
-    join = wait_for(lambda: (run / "join.txt").exists() and (run / "join.txt").read_text().strip(), 120,
-                    "the coordinator's join address")
+    join = wait_for_join(run)
     data = tmp_path / "alice"
     args = ["-m", "asyncrl.client.cli", "join", join, "--name", "alice", "--data-dir", str(data), "--threads", "1"]
     victim = procs.start("alice-1", args, env={"ASYNCRL_FAULT": "pause-after-spool"})

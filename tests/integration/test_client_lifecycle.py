@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from tests.conftest import wait_for
+from tests.conftest import wait_for, wait_for_join
 
 pytestmark = pytest.mark.integration
 
@@ -17,8 +17,7 @@ def coordinator(procs, tmp_path):
     run = tmp_path / "run"
     procs.start("coordinator", ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny", "--run-dir", str(run),
                                 "--max-steps", "0", "--threads", "1", "--min-groups", "1", "--max-wait-s", "1"])
-    return wait_for(lambda: (run / "join.txt").exists() and (run / "join.txt").read_text().strip(), 120,
-                    "the coordinator's join address")
+    return wait_for_join(run)
 
 
 def _join(procs, name, join, data, *extra):

@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from asyncrl.protocol import envelope, messages
-from tests.conftest import wait_for
+from tests.conftest import wait_for, wait_for_join
 
 pytestmark = pytest.mark.integration
 
@@ -28,8 +28,7 @@ def test_killed_volunteers_prompts_are_released_and_trained(procs, tmp_path):
                                         "--groups-per-step", "2", "--min-groups", "1", "--max-wait-s", "1",
                                         "--prompts-per-lease", "2", "--group-size", "8", "--lease-timeout-s", "15",
                                         "--max-staleness", "-1"])
-    join = wait_for(lambda: (run / "join.txt").exists() and (run / "join.txt").read_text().strip(), 180,
-                    "the coordinator's join address")
+    join = wait_for_join(run, 180)
     args = ["-m", "asyncrl.client.cli", "join", join, "--threads", "1", "--prompts-per-batch", "2"]
     victim_dir = tmp_path / "victim"
     victim = procs.start("victim", [*args, "--name", "victim", "--data-dir", str(victim_dir)],

@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from asyncrl.protocol.codec import KEYFRAME_CODEC
-from tests.conftest import wait_for
+from tests.conftest import wait_for, wait_for_join
 
 pytestmark = pytest.mark.integration
 
@@ -31,8 +31,7 @@ def test_coordinator_killed_and_resumed(procs, tmp_path, free_port):
                   "--port", str(free_port), "--max-steps", "0", "--threads", "1", "--checkpoint-every", "2",
                   "--groups-per-step", "4", "--min-groups", "1", "--max-wait-s", "1", "--lease-timeout-s", "120"]
     first = procs.start("coordinator-1", coord_args)
-    join = wait_for(lambda: (run / "join.txt").exists() and (run / "join.txt").read_text().strip(), 180,
-                    "the coordinator's join address")
+    join = wait_for_join(run, 180)
     for i in range(2):
         procs.start(f"vol-{i}", ["-m", "asyncrl.client.cli", "join", join, "--name", f"vol-{i}", "--threads", "1",
                                  "--data-dir", str(tmp_path / f"vol-{i}"), "--seed", str(i)])

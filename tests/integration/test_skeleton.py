@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.conftest import wait_for
+from tests.conftest import wait_for_join
 
 pytestmark = pytest.mark.integration
 
@@ -20,8 +20,7 @@ def test_two_volunteers_train_the_tiny_model(procs, tmp_path):
     coord = procs.start("coordinator", ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny",
                                         "--run-dir", str(run), "--max-steps", "12", "--threads", "1",
                                         "--groups-per-step", "4", "--max-wait-s", "2"])
-    join = wait_for(lambda: (run / "join.txt").exists() and (run / "join.txt").read_text().strip(), 120,
-                    "the coordinator's join address")
+    join = wait_for_join(run)
     assert join.startswith("/ip4/127.0.0.1/tcp/") and "/p2p/12D3KooW" in join
     clients = [procs.start(f"client-{i}", ["-m", "asyncrl.client.cli", "join", join, "--name", f"vol-{i}",
                                            "--data-dir", str(tmp_path / f"c{i}"), "--seed", str(i),

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from tests.conftest import REPO, wait_for
+from tests.conftest import REPO, wait_for, wait_for_join
 
 pytestmark = pytest.mark.integration
 
@@ -18,11 +18,6 @@ MAX_BATCH_BYTES = 8 * 1024 * 1024  # the coordinator's default max_batch_bytes
 def coordinator_args(run, port: int) -> list[str]:
     return ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny", "--run-dir", str(run), "--max-steps", "0",
             "--threads", "1", "--port", str(port), "--groups-per-step", "4", "--max-wait-s", "2", "--no-dashboard"]
-
-
-def join_address(run) -> str:
-    path = run / "join.txt"
-    return wait_for(lambda: path.exists() and path.read_text().strip(), 120, "the coordinator's join address")
 
 
 def metrics(run) -> list[dict]:
@@ -51,7 +46,7 @@ def wait_or_dump(predicate, timeout: float, what: str, *procs):
 def test_oversized_batch_frame_is_refused_without_reading_it(procs, tmp_path, free_port):
     run = tmp_path / "run"
     coord = procs.start("coordinator", coordinator_args(run, free_port))
-    join = join_address(run)
+    join = wait_for_join(run)
     run_id = json.loads((run / "config.json").read_text())["run_id"]
     # Header claims one byte over the cap; the body is never sent. A server that buffered before checking
     # would wait for it and never answer; ours answers from the header.
@@ -67,7 +62,7 @@ def test_oversized_batch_frame_is_refused_without_reading_it(procs, tmp_path, fr
 def test_coordinator_restart_does_not_kill_clients(procs, tmp_path, free_port):
     run, data = tmp_path / "run", tmp_path / "vol"
     first = procs.start("coordinator-1", coordinator_args(run, free_port))
-    join = join_address(run)
+    join = wait_for_join(run)
     client = procs.start("client", ["-m", "asyncrl.client.cli", "join", join, "--name", "vol", "--data-dir", str(data),
                                     "--threads", "1", "--quiet"])
     # Until the client generates with a version > 0: after the restart that number names nothing yet.

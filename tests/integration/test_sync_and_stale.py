@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from tests.conftest import wait_for
+from tests.conftest import wait_for_join
 
 pytestmark = pytest.mark.integration
 
@@ -35,8 +35,7 @@ def _tail(proc, n=2500):
 def _start_coordinator(procs, run, *extra):
     coord = procs.start("coordinator", ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny", "--run-dir",
                                         str(run), "--threads", "1", "--prompts-per-lease", "2", *extra])
-    join = wait_for(lambda: (run / "join.txt").exists() and (run / "join.txt").read_text().strip(), 120,
-                    "the coordinator's join address")
+    join = wait_for_join(run)
     return coord, join
 
 

