@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from asyncrl.plots import plot_run
+from asyncrl.coordinator.plots import plot_run
 
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen:

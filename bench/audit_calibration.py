@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+from asyncrl.protocol.atomic import write_json_atomic
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -52,13 +54,14 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from asyncrl import tasks, tinymodel
+    from asyncrl import tasks
     from asyncrl.client.engine import TransformersEngine
     from asyncrl.coordinator.audit import Auditor, completion_logprobs, mismatch
     from asyncrl.coordinator.config import CoordinatorConfig
     from asyncrl.coordinator.learner import Learner, TrainGroup
     from asyncrl.coordinator.learner import collate_groups as collate
-    from asyncrl.lora import export_lora
+    from asyncrl.models import tinymodel
+    from asyncrl.models.lora import export_lora
     from asyncrl.protocol.messages import LoraSpec, SamplingParams
 
     cfg = CoordinatorConfig()
@@ -269,9 +272,7 @@ def main(argv=None) -> int:
     t = out["totals"]
     print(json.dumps({"tolerance": tol, **t, "cost": out["cost"]}, indent=1))
     Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(args.json_out + ".tmp")
-    tmp.write_text(json.dumps(out, indent=1))
-    tmp.replace(args.json_out)
+    write_json_atomic(args.json_out, out, indent=1)
     ok = (t["honest_batches"] >= 500 and t["false_rejects"] == 0 and t["fabricated_caught_rate"] >= 0.99
           and t["wrong_version_caught_rate"] >= 0.99)
     print("PASS" if ok else "FAIL", f"-> {args.json_out}")

@@ -3,11 +3,11 @@ coordinator's uplink (issue 4; results in docs/transport.md).
 
     .venv/bin/python bench/broadcast.py --clients 8 --json-out runs/bench/broadcast.json
 
-One lab publisher (`asyncrl.swarmlab publish`: the real Publisher, codec, signed pointer, DHT validator
-and AdapterServer, no model) and N lab followers (`asyncrl.swarmlab follow`: the real AdapterSync,
+One lab publisher (`bench.swarmlab publish`: the real Publisher, codec, signed pointer, DHT validator
+and AdapterServer, no model) and N lab followers (`bench.swarmlab follow`: the real AdapterSync,
 SwarmFetcher, AdapterServer and presence beacon, no model), each a separate OS process with its own
 hivemind DHT and p2pd, on 127.0.0.1. The adapter is a synthetic Qwen2.5-1.5B-shaped rank-16 LoRA
-(36.9 MB raw bf16) that evolves like early AdamW steps (asyncrl/synthetic_adapter.py).
+(36.9 MB raw bf16) that evolves like early AdamW steps (bench/synthetic_adapter.py).
 
 Protocol: wait until every follower sees all N presence records; then for each of `--versions`
 versions: publish (the clock starts when the signed pointer is stored), wait until every follower has
@@ -45,6 +45,8 @@ import threading
 import time
 from pathlib import Path
 
+from asyncrl.protocol.atomic import write_atomic
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -55,7 +57,7 @@ class Proc:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         self.name = name
         self.err = open(log_dir / f"{name}.log", "w")
-        self.p = subprocess.Popen([sys.executable, "-m", "asyncrl.swarmlab", *args], cwd=REPO, env=env,
+        self.p = subprocess.Popen([sys.executable, "-m", "bench.swarmlab", *args], cwd=REPO, env=env,
                                   stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
                                   stderr=self.err, text=True, start_new_session=True)
         self.events: queue.Queue = queue.Queue()
@@ -280,9 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out:
         out = Path(args.json_out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, out)
+        write_atomic(out, text)
     keys = ("clients", "versions", "adapter_compressed_bytes", "coordinator_sent_bytes_per_version", "uplink_ratio",
             "t95_p50_s", "t95_p95_s", "corrupt_loads", "fetch_s_max_p50", "decode_s_max_p50", "peak_rss_mb",
             "cpu_s_per_version")

@@ -14,6 +14,7 @@ alternating order) and each round's tokens/s is summed per side; `ratio` = learn
 time (one torch thread), which other processes on a shared machine cannot inflate; the wall-clock
 ratio is reported next to it as `ratio_wall`. On CUDA, `ratio` is wall-clock (synchronised).
 
+
     .venv/bin/python bench/learner_throughput.py --json-out runs/bench/learner_throughput.json
     python bench/learner_throughput.py --device cuda --shape qwen2.5-1.5b   # 8 x 1024 tokens, bf16
 
@@ -34,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from asyncrl.protocol.atomic import write_json_atomic
+
 SHAPES = {
     # rows per group x groups per batch; prompt length; longest completion (lengths vary down to half)
     "tiny": dict(rows_per_group=16, groups=8, prompt_len=6, completion_len=8, lora_r=16),
@@ -42,7 +45,7 @@ SHAPES = {
 
 
 def model_path(shape: str) -> str:
-    from asyncrl import tinymodel
+    from asyncrl.models import tinymodel
 
     if shape == "tiny":
         return str(tinymodel.write_tiny_model(tinymodel.default_tiny_model_dir()))
@@ -110,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.coordinator.config import LORA_TARGETS
     from asyncrl.coordinator.learner import Learner
     from asyncrl.coordinator.loss import LossConfig
-    from asyncrl.lora import load_base_model, with_lora
+    from asyncrl.models.lora import load_base_model, with_lora
     from asyncrl.protocol.messages import LoraSpec
 
     torch.set_num_threads(a.threads)
@@ -190,9 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     out["ratio"] = out["ratio_cpu_time"] if on_cpu else out["ratio_wall"]
     out["goal_ratio_min"] = 0.70
     Path(a.json_out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(a.json_out).with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=2))
-    tmp.replace(a.json_out)
+    write_json_atomic(a.json_out, out, indent=2)
     print(json.dumps({k: v for k, v in out.items() if not k.endswith("_rounds")}, indent=2))
     return 0
 

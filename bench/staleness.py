@@ -32,16 +32,18 @@ import time
 from collections import deque
 from pathlib import Path
 
+from asyncrl.protocol.atomic import write_json_atomic
+
 GROUP_SIZE = 16
 MAX_NEW_TOKENS = 8
 
 
 def build(seed: int, correction: str, lr: float, lora_r: int):
-    from asyncrl import tinymodel
     from asyncrl.client.engine import TransformersEngine
     from asyncrl.coordinator.config import LORA_TARGETS
     from asyncrl.coordinator.learner import Learner
     from asyncrl.coordinator.loss import LossConfig
+    from asyncrl.models import tinymodel
     from asyncrl.protocol.messages import LoraSpec
 
     path = str(tinymodel.write_tiny_model(tinymodel.default_tiny_model_dir()))
@@ -54,7 +56,7 @@ def build(seed: int, correction: str, lr: float, lora_r: int):
 
 def evaluate(engine, learner, prompts, samples: int) -> float:
     from asyncrl import tasks
-    from asyncrl.lora import export_lora
+    from asyncrl.models.lora import export_lora
     from asyncrl.protocol.messages import SamplingParams
 
     specs, blobs = export_lora(learner.model, "bf16")
@@ -71,7 +73,7 @@ def run_one(k: int, correction: str, a) -> dict:
 
     from asyncrl import tasks
     from asyncrl.coordinator.learner import TrainGroup
-    from asyncrl.lora import export_lora
+    from asyncrl.models.lora import export_lora
     from asyncrl.protocol.messages import SamplingParams
 
     torch.manual_seed(a.seed)
@@ -186,9 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         u0, u8 = runs.get(f"k0/{unc}"), runs.get(f"k8/{unc}")
         out["k8_uncorrected_vs_k0"] = (u8["final_reward"] / u0["final_reward"]) if u0 and u8 and u0["final_reward"] else None
     Path(a.json_out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(a.json_out).with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=2))
-    tmp.replace(a.json_out)
+    write_json_atomic(a.json_out, out, indent=2)
     print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=2))
     return 0
 

@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+from asyncrl.protocol.atomic import write_json_atomic
+
 VOLUNTEERS = 3
 SLOW_DUTY = 0.2
 
@@ -235,9 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         out["ratio_upper_bound"] = at / runs["sync"]["wall_s"] if runs["sync"].get("wall_s") else None
     out["goal_ratio_max"] = 0.40
     Path(a.json_out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(a.json_out).with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=2))
-    tmp.replace(a.json_out)
+    write_json_atomic(a.json_out, out, indent=2)
     print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=2))
     return 0
 

@@ -6,8 +6,8 @@ manifest's sha256 before it is decoded. A delta is decoded against the parent we
 does not hold the parent walks from the latest keyframe.
 
 Swarm (docs/transport.md): manifests and chunks come from peers first and the coordinator last
-(`asyncrl.swarm_fetch`); every version fetched is kept in an AdapterStore and, after `serve()`,
-served to other volunteers (`asyncrl.adapter_serving`), also while it is still arriving.
+(`asyncrl.swarm.fetch`); every version fetched is kept in an AdapterStore and, after `serve()`,
+served to other volunteers (`asyncrl.swarm.serving`), also while it is still arriving.
 `start_following()` moves pointer polling and fetching to a background thread, so a volunteer busy
 generating still fetches (and serves) new versions at once; `poll()` then just hands over the newest.
 Which pointer is newer is decided by `protocol.swarm.pointer_is_newer` (a later publish of another
@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 from asyncrl.protocol import codec, envelope, limits, messages, swarm
 from asyncrl.protocol.errors import ProtocolError, RejectCode
+from asyncrl.swarm import streams
+from asyncrl.swarm.streams import stream_name
 
 MAX_CHAIN = 256
 REJOIN_AFTER_S = 5.0
@@ -40,8 +42,8 @@ class AdapterVersion:
 
 class AdapterSync:
     def __init__(self, node, *, coordinator_peer_id: str, coordinator_key: bytes, run_id: str):
-        from asyncrl.adapter_serving import AdapterStore
-        from asyncrl.swarm_fetch import PresenceCache, SwarmFetcher
+        from asyncrl.swarm.fetch import PresenceCache, SwarmFetcher
+        from asyncrl.swarm.serving import AdapterStore
 
         self.node = node
         self.peer = coordinator_peer_id
@@ -69,13 +71,10 @@ class AdapterSync:
         self._taken: AdapterVersion | None = None
         self._pushed: bytes | None = None  # a pointer pushed to us by the coordinator (verified again on use)
 
-    def _handler(self, what: str) -> str:
-        return f"asyncrl.{self.run_id}.{what}"
-
     # ---- swarm wiring ---------------------------------------------------------------------------
     def serve(self, *, upload_bps: float = 0, server_cls=None):
         """Serve the versions we hold (manifest + chunk handlers) to other volunteers."""
-        from asyncrl.adapter_serving import AdapterServer
+        from asyncrl.swarm.serving import AdapterServer
 
         self.server = (server_cls or AdapterServer)(self.node, self.run_id, self.store, upload_bps=upload_bps).start()
         self.fetcher.serving_self = True  # we now take our turn as a seeder of fresh chunks
@@ -88,13 +87,13 @@ class AdapterSync:
             self._wake.set()
             return b""
 
-        self.node.serve(self._handler("pointer"), pointer, max_request_bytes=limits.MAX_POINTER_BYTES)
+        self.node.serve(stream_name(self.run_id, streams.POINTER), pointer, max_request_bytes=limits.MAX_POINTER_BYTES)
         return self.server
 
     def start_following(self, poll_s: float = 0.5, out=None) -> None:
         """Poll the pointer and fetch on a background thread; `poll()` then returns its newest result."""
         def loop() -> None:
-            from asyncrl.bootstrap import knows_any, rejoin
+            from asyncrl.swarm.bootstrap import knows_any, rejoin
 
             last_check, last_warning = time.monotonic(), ""
             while not self._stop.is_set():

@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     out = join.add_mutually_exclusive_group()
     out.add_argument("--quiet", action="store_true", help="only warnings and errors")
     out.add_argument("--json-logs", action="store_true", help="one JSON object per event (headless hosts)")
-    from asyncrl.client.swarm_member import add_swarm_arguments
+    from .swarm_member import add_swarm_arguments
 
     add_swarm_arguments(join)
     status = sub.add_parser("status", help="identity, outbox size and contribution so far")
@@ -121,10 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.hold_version < 0:
         return fail("--hold-version must be >= 0", 2)
 
-    from asyncrl.transport import BadAddress, TransportError, check_reachable, parse_join_address
+    from asyncrl.swarm.bootstrap import join_spec
+    from asyncrl.swarm.transport import BadAddress, TransportError, check_reachable, parse_join_address
 
-    from asyncrl.bootstrap import join_spec
-    from asyncrl.client.swarm_member import swarm_config
+    from .swarm_member import swarm_config
 
     try:
         join_spec(args.address, args.coordinator)  # a bad --coordinator fails here too
@@ -141,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    from asyncrl.client.engine import EngineUnavailable
-    from asyncrl.client.worker import BaseModelMismatch, Volunteer, VolunteerConfig
+    from .engine import EngineUnavailable
+    from .worker import BaseModelMismatch, Volunteer, VolunteerConfig
 
     cfg = VolunteerConfig(address=args.address, data_dir=args.data_dir, name=args.name, model=args.model,
                           max_batches=args.max_batches, prompts_per_batch=args.prompts_per_batch,
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(exc))
     except Exception as exc:
         if exc.__class__.__name__ == "OutOfMemoryError":
-            from asyncrl.client.engine import out_of_memory_hint
+            from .engine import out_of_memory_hint
 
             return fail(out_of_memory_hint(args.gpu_memory_utilization))
         return fail(f"{exc.__class__.__name__}: {exc}")

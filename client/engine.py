@@ -42,7 +42,7 @@ class TransformersEngine:
 
     def __init__(self, model: str, lora: LoraSpec, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
                  seed: int = 0):
-        from asyncrl.lora import load_base_model, with_lora
+        from asyncrl.models.lora import load_base_model, with_lora
 
         base, self.tokenizer = load_base_model(model, dtype=dtype)
         self.model = with_lora(base, lora).to(device).eval()
@@ -56,7 +56,7 @@ class TransformersEngine:
         return self.model.config.vocab_size
 
     def load_adapter(self, version: int, specs, blobs: dict[str, bytes]) -> None:
-        from asyncrl.lora import load_lora, tensors_from_bytes
+        from asyncrl.models.lora import load_lora, tensors_from_bytes
 
         tensors = {k: v.to(self.device, self.dtype) for k, v in tensors_from_bytes(specs, blobs).items()}
         load_lora(self.model, tensors)
@@ -164,7 +164,7 @@ def make_engine(kind: str, model: str, lora: LoraSpec, *, gpu_memory_utilization
 
             if importlib.util.find_spec("vllm") is None:
                 raise EngineUnavailable("--engine vllm: vllm is not installed (pip install 'asyncrl[vllm]')")
-            from asyncrl.client.engine_vllm import VLLMEngine
+            from .engine_vllm import VLLMEngine
 
             return VLLMEngine(model, lora, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
                               max_staleness=max_staleness)

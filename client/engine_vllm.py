@@ -25,8 +25,9 @@ from typing import Any, Sequence
 
 import torch
 
-from asyncrl.client.engine import Sample
 from asyncrl.protocol.messages import LoraSpec, SamplingParams
+
+from .engine import Sample
 
 CPU_KV_CACHE_BYTES = 1 << 30  # default KV cache on CPU when neither the caller nor VLLM_CPU_KVCACHE_SPACE sets one
 
@@ -84,7 +85,7 @@ class VLLMEngine:
     def load_adapter(self, version: int, specs, blobs: dict[str, bytes]) -> None:
         from vllm.lora.request import LoRARequest
 
-        from asyncrl.lora import tensors_from_bytes, write_peft_dir
+        from asyncrl.models.lora import tensors_from_bytes, write_peft_dir
 
         lora_id = self._next_lora_id
         self._next_lora_id += 1

@@ -8,8 +8,9 @@ idempotent ingest (batch id = sha256 of the payload) makes the retry exactly-onc
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from asyncrl.protocol.atomic import write_atomic
 
 
 class OutboxFull(Exception):
@@ -29,13 +30,7 @@ class Outbox:
             raise OutboxFull(f"outbox at {self.path} holds {self.size_bytes()} bytes (cap {self.max_bytes}); "
                              "is the coordinator reachable?")
         final = self.path / f"{batch_id.hex()}.batch"
-        tmp = final.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(sealed)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(final)
-        return final
+        return write_atomic(final, sealed)
 
     def pending(self) -> list[tuple[bytes, bytes]]:
         """(batch id, sealed bytes), oldest first."""

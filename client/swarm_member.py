@@ -4,7 +4,7 @@ Owned by the swarm transport (docs/transport.md). The hub (client/worker.py) cal
 `SwarmMembership(...).start()` once it knows the run id; after that, on their own threads:
 
   - the DHT validator refuses pointer/presence records not signed by their rightful key (every node
-    runs it, volunteers included: asyncrl/swarm_records.py);
+    runs it, volunteers included: swarm/records.py);
   - AdapterSync follows the pointer in the background and fetches from peers first;
   - the adapter versions this volunteer holds are served to other volunteers (unless client mode
     or `--no-serve`), paced by `--max-upload-mbps`;
@@ -30,7 +30,7 @@ to the volunteers it sees in presence, and a peer asking us for a version we lac
 def open_node(*, bootstrap, data_dir: Path, identity, client_mode: bool, host: str = "127.0.0.1", port: int = 0,
               announce=(), use_relay: bool = True, use_auto_relay: bool = False, relays=()):
     """A SwarmNode whose peer id is this volunteer's identity (create it before CUDA: the DHT forks)."""
-    from asyncrl.transport import SwarmNode
+    from asyncrl.swarm.transport import SwarmNode
 
     identity.write_libp2p_identity(data_dir / "p2p.identity")
     proto = "ip6" if ":" in host else "ip4"
@@ -56,7 +56,7 @@ class SwarmMembership:
         self.maddrs: list[str] = []
 
     def start(self) -> "SwarmMembership":
-        from asyncrl.swarm_records import PresenceBeacon, install_validator
+        from asyncrl.swarm.records import PresenceBeacon, install_validator
 
         install_validator(self.node, self.run_id, self.sync.peer)
         if self.serve:

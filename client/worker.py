@@ -1,7 +1,7 @@
 """Volunteer hub: join, follow the adapter, generate, score, sign, spool, upload.
 
 Components (one job each; none references this hub):
-  SwarmNode    (asyncrl.transport)  hivemind DHT + P2P streams to the coordinator
+  SwarmNode    (asyncrl.swarm.transport)  hivemind DHT + P2P streams to the coordinator
   AdapterSync  watch the signed pointer, fetch + verify + decode adapter versions
   Engine       generation with per-token sampling logprobs (transformers; vLLM plugs in here)
   Outbox       sealed batches on disk until acked
@@ -15,7 +15,6 @@ completions each -> score -> seal a RolloutBatch for the coordinator -> outbox -
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -27,6 +26,8 @@ import numpy as np
 from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import Identity
+from asyncrl.swarm import streams
+from asyncrl.swarm.streams import stream_name
 
 # Test-only fault injection (hivemind-style): ASYNCRL_FAULT=pause-after-spool makes the volunteer stop
 # between writing a batch to the outbox and uploading it, so a test can SIGKILL it at exactly that point.
@@ -89,16 +90,16 @@ class BaseModelMismatch(RuntimeError):
 
 class Volunteer:
     def __init__(self, cfg: VolunteerConfig, *, out=None):
-        from asyncrl.transport import parse_join_address
+        from asyncrl.swarm.transport import parse_join_address
 
-        from asyncrl.client.display import Display
+        from .display import Display
 
         self.cfg = cfg
         self.display = Display(cfg.display)
         self.out = out or (lambda message: self.display.event("info", message))
         self.stop = threading.Event()
         self.addr = parse_join_address(cfg.address)  # BadAddress before anything starts
-        from asyncrl.bootstrap import join_spec
+        from asyncrl.swarm.bootstrap import join_spec
 
         self.join = join_spec(cfg.address, cfg.coordinator)  # whose key we trust (the address's or --coordinator)
         self.coordinator_peer_id = self.join.coordinator_peer_id
@@ -108,7 +109,7 @@ class Volunteer:
         if created:
             self.out(f"created volunteer identity {self.identity.fingerprint} in {cfg.data_dir / 'identity.key'}")
         self.name = cfg.name or f"volunteer-{self.identity.fingerprint[:9].replace(':', '')}"
-        from asyncrl.client.outbox import Outbox
+        from .outbox import Outbox
 
         self.outbox = Outbox(cfg.data_dir / "outbox", max_bytes=cfg.max_outbox_bytes)
         self.status = VolunteerStatus(name=self.name, fingerprint=self.identity.fingerprint)
@@ -117,11 +118,12 @@ class Volunteer:
 
     # ---- start-up ---------------------------------------------------------------------------
     def connect(self, run_id: str | None = None, timeout: float = 60.0) -> None:
-        from asyncrl.client.adapter_sync import AdapterSync
-        from asyncrl.transport import check_reachable
+        from asyncrl.swarm.transport import check_reachable
+
+        from .adapter_sync import AdapterSync
 
         check_reachable(self.addr)
-        from asyncrl.client.swarm_member import SwarmMembership, open_node
+        from .swarm_member import SwarmMembership, open_node
 
         self.node = open_node(bootstrap=self.join.bootstrap, data_dir=self.cfg.data_dir, identity=self.identity,
                               client_mode=self.cfg.client_mode, host=self.cfg.host, port=self.cfg.port,
@@ -137,8 +139,8 @@ class Volunteer:
             snapshot=lambda: {"adapter_version": getattr(self, "serving_version", -1),
                               "throughput": self.status.rollouts / max(1.0, time.time() - self.status.started_at)},
         ).start()
-        from asyncrl.client.pacing import DutyCycle
-        from asyncrl.client.version_hold import HeldAdapters
+        from .pacing import DutyCycle
+        from .version_hold import HeldAdapters
 
         self.pacer = DutyCycle(self.cfg.duty_cycle)
         self.hold = HeldAdapters(self.sync, self.cfg.hold_version) if self.cfg.hold_version else None
@@ -148,7 +150,7 @@ class Volunteer:
         deadline = time.time() + timeout
         while True:
             try:
-                return self.node.call(self.coordinator_peer_id, "asyncrl.info", b"", max_response_bytes=256,
+                return self.node.call(self.coordinator_peer_id, streams.INFO, b"", max_response_bytes=256,
                                       timeout=10).decode()
             except Exception:
                 if time.time() > deadline:
@@ -166,8 +168,9 @@ class Volunteer:
             time.sleep(self.cfg.poll_s)
 
     def load_engine(self, manifest: messages.AdapterManifest):
-        from asyncrl.client.engine import make_engine
-        from asyncrl import tinymodel
+        from asyncrl.models import tinymodel
+
+        from .engine import make_engine
 
         model = self.cfg.model or manifest.base_model
         if model == tinymodel.TINY_MODEL_NAME:
@@ -182,8 +185,9 @@ class Volunteer:
 
     # ---- main loop --------------------------------------------------------------------------
     def run(self) -> VolunteerStatus:
-        from asyncrl.client.outbox import OutboxFull
-        from asyncrl.transport import TransportError
+        from asyncrl.swarm.transport import TransportError
+
+        from .outbox import OutboxFull
 
         if getattr(self, "engine", None) is None:  # first run(); a later call continues with what it has
             current = self.wait_for_adapter()
@@ -266,7 +270,7 @@ class Volunteer:
         req = messages.LeaseRequest(run_id=self.run_id, max_prompts=self.cfg.prompts_per_batch,
                                     adapter_version=self.serving_version, client_name=self.name)
         sealed = envelope.seal(self.identity, "lease_request", messages.encode(req), audience=self.coordinator_key)
-        raw = self.node.call(self.coordinator_peer_id, f"asyncrl.{self.run_id}.lease", sealed,
+        raw = self.node.call(self.coordinator_peer_id, stream_name(self.run_id, streams.LEASE), sealed,
                              max_response_bytes=4 << 20)
         grant = messages.decode(raw, messages.LeaseGrant, max_bytes=4 << 20)
         self.latest_version = grant.current_version
@@ -310,7 +314,7 @@ class Volunteer:
     def flush(self) -> None:
         """Upload every spooled batch; delete each only once the coordinator acked it."""
         for batch_id, sealed in self.outbox.pending():
-            raw = self.node.call(self.coordinator_peer_id, f"asyncrl.{self.run_id}.submit", sealed,
+            raw = self.node.call(self.coordinator_peer_id, stream_name(self.run_id, streams.SUBMIT), sealed,
                                  max_response_bytes=64 * 1024)
             ack = messages.decode(raw, messages.Ack, max_bytes=64 * 1024)
             self.status.batches_sent += 1
@@ -325,12 +329,11 @@ class Volunteer:
                                    code=ack.code)
 
     def _write_status(self) -> None:
-        path = self.cfg.data_dir / "status.json"
-        tmp = path.with_suffix(".tmp")
+        from asyncrl.protocol.atomic import write_json_atomic
+
         swarm = self.swarm.stats() if getattr(self, "swarm", None) is not None else None
-        tmp.write_text(json.dumps({**asdict(self.status), "outbox": len(self.outbox), "run_id": self.run_id,
-                                   "swarm": swarm}))
-        os.replace(tmp, path)
+        write_json_atomic(self.cfg.data_dir / "status.json",
+                          {**asdict(self.status), "outbox": len(self.outbox), "run_id": self.run_id, "swarm": swarm})
 
     def shutdown(self) -> None:
         if getattr(self, "swarm", None) is not None:

@@ -43,6 +43,7 @@ import msgspec
 
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import PUBLIC_KEY_BYTES, fingerprint, public_key_from_peer_id
+from asyncrl.swarm.rate import TokenBucket
 
 # Offences that only the holder of the signing key can commit (the payload itself is the lie).
 IDENTITY_STRIKES = frozenset({RejectCode.REWARD_MISMATCH, RejectCode.LOGPROB_MISMATCH, RejectCode.FUTURE_VERSION,
@@ -52,26 +53,6 @@ PEER_STRIKES = frozenset({RejectCode.SIGNATURE_MISMATCH, RejectCode.MALFORMED, R
                           RejectCode.PAYLOAD_TOO_LARGE})
 MAX_TRACKED = 100_000  # identities / peers with live buckets (LRU); evicted ones start afresh
 HOUR_S = 3600.0
-
-
-class TokenBucket:
-    """`rate` tokens per second up to `burst`; rate <= 0 means unlimited."""
-
-    __slots__ = ("rate", "burst", "tokens", "last")
-
-    def __init__(self, rate: float, burst: float, now: float):
-        self.rate, self.burst = float(rate), float(max(1.0, burst))
-        self.tokens, self.last = self.burst, now
-
-    def take(self, now: float, cost: float = 1.0) -> bool:
-        if self.rate <= 0:
-            return True
-        self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
-        self.last = now
-        if self.tokens >= cost:
-            self.tokens -= cost
-            return True
-        return False
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from asyncrl.coordinator.config import ConfigError, CoordinatorConfig
+from .config import ConfigError, CoordinatorConfig
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
 KEY_NAME = "coordinator.key"
@@ -45,7 +45,7 @@ def run_dir_of(args) -> Path:
     if args.run_dir:
         return Path(args.run_dir)
     if args.config:
-        from asyncrl.coordinator.config_file import load_toml, resolve_config
+        from .config_file import load_toml, resolve_config
 
         return Path(resolve_config(load_toml(args.config), source=args.config).run_dir)
     return Path(CoordinatorConfig.run_dir)
@@ -54,7 +54,7 @@ def run_dir_of(args) -> Path:
 def main(args) -> int:
     try:
         if args.command == "example-config":
-            from asyncrl.coordinator.config_file import example_toml
+            from .config_file import example_toml
 
             sys.stdout.write(example_toml())
             return EXIT_OK
@@ -98,7 +98,7 @@ def keys(args, run_dir: Path) -> int:
 
 # ---- status ---------------------------------------------------------------------------------------
 def status(args, run_dir: Path) -> int:
-    from asyncrl.coordinator.dashboard import fetch_status
+    from .dashboard import fetch_status
 
     url = args.url
     if url is None and (run_dir / "dashboard.txt").exists():
@@ -153,7 +153,7 @@ def format_status(snap: dict) -> str:
 
 
 def offline_status(run_dir: Path, *, as_json: bool) -> int:
-    from asyncrl.plots import read_step_events
+    from .plots import read_step_events
 
     summary_path = run_dir / "summary.json"
     if summary_path.exists():

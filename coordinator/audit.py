@@ -40,9 +40,10 @@ from typing import Callable
 
 import torch
 
-from asyncrl.coordinator.learner import collate_groups
-from asyncrl.coordinator.learner import completion_logprobs as learner_logprobs
 from asyncrl.protocol.errors import ProtocolError, RejectCode
+
+from .learner import collate_groups
+from .learner import completion_logprobs as learner_logprobs
 
 DEFAULT_TOLERANCE = 0.01  # see docs/SECURITY.md: honest max 6e-4, attacks >= 1.5e-2 (tiny model)
 ROWS_PER_FORWARD = 32     # bounds the [rows, T, vocab] logits tensor of one audit forward pass
@@ -125,7 +126,7 @@ class Auditor:
     def remember_published(self, version: int, specs, blobs: dict[str, bytes], learner_steps: int) -> None:
         """The exact tensors volunteers will serve for `version` (the published dtype, e.g. bf16)."""
         if self.enabled:
-            from asyncrl.lora import tensors_from_bytes
+            from asyncrl.models.lora import tensors_from_bytes
 
             self.remember(version, tensors_from_bytes(specs, blobs), learner_steps)
 
@@ -231,7 +232,7 @@ class Auditor:
     def shadow_logprobs(self, groups, version: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Recompute `groups`' completion logprobs under held `version` on the shadow model:
         ([rows, T] logprobs, the collated batch with its "sampling_logps" (claimed) and "mask" tensors)."""
-        from asyncrl.lora import load_lora
+        from asyncrl.models.lora import load_lora
 
         with self._lock:
             tensors = self._versions.get(version)

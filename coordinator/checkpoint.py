@@ -47,6 +47,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from asyncrl.protocol.atomic import fsync_dir, write_durable, write_json_atomic
+
 FORMAT = 1
 PREFIX = "step-"
 ID_BYTES = 32
@@ -94,22 +96,9 @@ class Gate:
 
 
 # ---- small file helpers ------------------------------------------------------------------------
-def _write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _atomic_json(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
-
-
 def record_published(run_dir: Path, version: int) -> None:
     """High-water mark of published versions (call before the pointer reaches the DHT)."""
-    _atomic_json(Path(run_dir) / "lineage.json", {"last_published_version": int(version)})
+    write_json_atomic(Path(run_dir) / "lineage.json", {"last_published_version": int(version)}, indent=1)
 
 
 def last_published(run_dir: Path) -> int | None:
@@ -240,17 +229,14 @@ class Checkpointer:
         tmp = self.root / f".tmp-{step:08d}-{os.getpid()}-{time.time_ns()}"
         tmp.mkdir()
         for name, group in tensors.items():
-            _write(tmp / f"{name}.safetensors", save({k: v.contiguous() for k, v in group.items()}))
+            write_durable(tmp / f"{name}.safetensors", save({k: v.contiguous() for k, v in group.items()}))
         for name, data in blobs.items():
-            _write(tmp / name, data)
-        _write(tmp / "meta.json", json.dumps({"format": FORMAT, "step": step, **meta}).encode())
+            write_durable(tmp / name, data)
+        write_durable(tmp / "meta.json", json.dumps({"format": FORMAT, "step": step, **meta}).encode())
         final = self.root / f"{PREFIX}{step:08d}-{time.time_ns()}"
+        fsync_dir(tmp)  # the files' directory entries, then the rename itself
         os.rename(tmp, final)
-        fd = os.open(self.root, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # the rename itself is durable
-        finally:
-            os.close(fd)
+        fsync_dir(self.root)
         for old in self._complete()[:-self.keep]:
             shutil.rmtree(old, ignore_errors=True)
         return final
@@ -314,8 +300,9 @@ def restore_learner(ckpt: Checkpoint, learner) -> None:
 
 def restore(ckpt: Checkpoint, *, learner, board, ingest, journal, run_dir: Path) -> dict:
     """Bring every component back to the checkpoint, then replay the journal. Returns what happened."""
-    from asyncrl.coordinator.ingest import AcceptedBatch, ClientStats
     from asyncrl.protocol.envelope import ReplayGuard
+
+    from .ingest import AcceptedBatch, ClientStats
 
     restore_learner(ckpt, learner)
     board.restore(ckpt.meta["board"])

@@ -21,7 +21,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from asyncrl.coordinator.config import CoordinatorConfig
+    from .config import CoordinatorConfig
 
     d = CoordinatorConfig()
     p = argparse.ArgumentParser(prog="asyncrl-coordinator", description="asyncrl coordinator: learner + publisher")
@@ -80,13 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     ops.add_argument("--no-dashboard", dest="dashboard", action="store_const", const=False, default=d.dashboard)
     ops.add_argument("--report-to", type=lambda s: tuple(x for x in s.split(",") if x), default=d.report_to,
                      help="comma list of tensorboard, wandb, trackio (each must be installed)")
-    from asyncrl.coordinator.trust_cli import add_trust_arguments
+    from .trust_cli import add_trust_arguments
 
     add_trust_arguments(run, d)  # access modes, rate limits, strikes, generation audit (docs/SECURITY.md)
-    from asyncrl.coordinator.config_file import config_dests
+    from .config_file import config_dests
 
     run.set_defaults(**{dest: None for dest in config_dests()})  # None = not given: the --config file wins
-    from asyncrl.coordinator.admin import add_subcommands
+    from .admin import add_subcommands
 
     add_subcommands(sub)
     return p
@@ -95,12 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command != "run":
-        from asyncrl.coordinator.admin import main as admin_main
+        from .admin import main as admin_main
 
         return admin_main(args)
-    from asyncrl.coordinator.config import ConfigError
-    from asyncrl.coordinator.config_file import load_toml, overrides_from_args, resolve_config
-    from asyncrl.coordinator.reporters import check_available
+    from .config import ConfigError
+    from .config_file import load_toml, overrides_from_args, resolve_config
+    from .reporters import check_available
 
     try:
         cfg = resolve_config(load_toml(args.config) if args.config else {}, overrides_from_args(args),
@@ -114,19 +114,19 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from asyncrl.coordinator.service import Coordinator, install_signal_handlers
-
-    from asyncrl.coordinator.ddp import world
+    from .ddp import world
+    from .service import Coordinator, install_signal_handlers
 
     if world()[1] > 1 and world()[0] > 0:  # torchrun / accelerate: only rank 0 runs the network side
-        from asyncrl.coordinator.ddp import run_follower
+        from .ddp import run_follower
 
         return run_follower(cfg, out=lambda s: print(s, flush=True))
     coord = Coordinator(cfg, out=lambda s: print(s, flush=True))
     install_signal_handlers(coord.stop)
     signal.signal(signal.SIGUSR1, lambda signum, frame: coord.telemetry.request_plot())
-    from asyncrl.coordinator.checkpoint import CheckpointError
-    from asyncrl.task_sources import TaskSourceError
+    from asyncrl.tasks.sources import TaskSourceError
+
+    from .checkpoint import CheckpointError
 
     try:
         coord.start()

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from asyncrl.coordinator.loss import LossConfig
+from .loss import LossConfig
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -39,7 +39,7 @@ class CoordinatorConfig:
     run_dir: str = "runs/demo"
     """Where the coordinator keeps its key, config.json, metrics.jsonl, summary.json and plots."""
     task: str = "repeat"
-    """Prompt source (asyncrl/task_sources.py): a built-in task ("repeat"), a .jsonl file (or jsonl:PATH)
+    """Prompt source (tasks/sources.py): a built-in task ("repeat"), a .jsonl file (or jsonl:PATH)
     of {"prompt", "answer"[, "reward"]} lines, or hf:<dataset>[:config][:split] / hf:<saved dataset dir>."""
     task_prompt_field: str = "prompt"
     """Field holding the prompt in JSONL / Hugging Face task records."""
@@ -228,6 +228,6 @@ class CoordinatorConfig:
         return json.dumps(dataclasses.asdict(self), indent=2, default=default)
 
     def write(self, run_dir: Path) -> None:
-        tmp = run_dir / "config.json.tmp"
-        tmp.write_text(self.to_json())
-        tmp.replace(run_dir / "config.json")
+        from asyncrl.protocol.atomic import write_atomic
+
+        write_atomic(run_dir / "config.json", self.to_json())

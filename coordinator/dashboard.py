@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import os
 import socket
 import threading
 import time
 from pathlib import Path
 from typing import Callable
+
+from asyncrl.protocol.atomic import write_atomic
 
 PLOT_MIN_INTERVAL_S = 5.0
 LOOPBACK_NAMES = ["127.0.0.1", "localhost", "::1", "[::1]"]
@@ -45,7 +46,7 @@ def build_app(*, snapshot: Callable[[], dict], registry, plot: Callable[[], Path
     from starlette.responses import HTMLResponse, JSONResponse, Response
     from starlette.routing import Route
 
-    from asyncrl.coordinator.dashboard_page import PAGE
+    from .dashboard_page import PAGE
 
     def page(request):
         return HTMLResponse(PAGE, headers={"Cache-Control": "no-store"})
@@ -79,7 +80,7 @@ class ThrottledPlot:
         self._path: Path | None = None
 
     def __call__(self) -> Path | None:
-        from asyncrl.plots import plot_run
+        from .plots import plot_run
 
         with self._lock:
             if self._path is None or time.monotonic() - self._last >= self.min_interval_s:
@@ -118,7 +119,7 @@ class Dashboard:
         shown = "127.0.0.1" if self.host in ("0.0.0.0", "") else ("[::1]" if self.host == "::" else self.host)
         shown = f"[{shown}]" if ":" in shown and not shown.startswith("[") else shown
         self.url = f"http://{shown}:{self.port}/"
-        _write_atomic(self.run_dir / "dashboard.txt", self.url + "\n")
+        write_atomic(self.run_dir / "dashboard.txt", self.url + "\n")
         return self.url
 
     def stop(self) -> None:
@@ -130,12 +131,6 @@ class Dashboard:
             (self.run_dir / "dashboard.txt").unlink()
         except FileNotFoundError:
             pass
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def fetch_status(url: str, timeout: float = 5.0) -> dict:

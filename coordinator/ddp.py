@@ -31,7 +31,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from asyncrl.coordinator.learner import Learner, TrainGroup
+from .learner import Learner, TrainGroup
 
 STOP = -1  # header length that tells followers to leave their loop
 
@@ -143,9 +143,10 @@ def run_follower(cfg, out=print) -> int:
     import time
     from pathlib import Path
 
-    from asyncrl import tinymodel
-    from asyncrl.coordinator.service import resolve_model
+    from asyncrl.models import tinymodel
     from asyncrl.protocol.messages import LoraSpec
+
+    from .service import resolve_model
 
     if cfg.model in ("tiny", tinymodel.TINY_MODEL_NAME):  # rank 0 writes the tiny model; do not race it
         marker = Path(tinymodel.default_tiny_model_dir()) / tinymodel.MARKER
@@ -156,7 +157,7 @@ def run_follower(cfg, out=print) -> int:
     lora = LoraSpec(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, target_modules=tuple(cfg.lora_targets))
     learner = DistributedLearner(path, lora, lr=cfg.lr, loss=cfg.loss, max_staleness=cfg.max_staleness, seed=cfg.seed)
     if cfg.resume:
-        from asyncrl.coordinator.checkpoint import Checkpointer, CheckpointError, restore_learner
+        from .checkpoint import Checkpointer, CheckpointError, restore_learner
 
         ckpt = Checkpointer(Path(cfg.run_dir) / "checkpoints", out=out).latest()
         if ckpt is None:

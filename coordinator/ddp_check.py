@@ -20,8 +20,9 @@ import sys
 
 
 def synthetic_groups(step: int, n_groups: int, seed: int = 0):
-    from asyncrl.coordinator.learner import TrainGroup
-    from asyncrl.tinymodel import CHARS
+    from asyncrl.models.tinymodel import CHARS
+
+    from .learner import TrainGroup
 
     rng = random.Random(f"{seed}-{step}")
     groups = []
@@ -40,10 +41,11 @@ def run(out: str, *, steps: int, groups_per_step: int, loss_types: list[str], se
     import torch
     from safetensors.torch import save_file
 
-    from asyncrl import tinymodel
-    from asyncrl.coordinator.ddp import make_learner, world
-    from asyncrl.coordinator.loss import LossConfig
+    from asyncrl.models import tinymodel
     from asyncrl.protocol.messages import LoraSpec
+
+    from .ddp import make_learner, world
+    from .loss import LossConfig
 
     torch.set_num_threads(1)
     path = str(tinymodel.write_tiny_model(tinymodel.default_tiny_model_dir()))

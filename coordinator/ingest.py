@@ -27,16 +27,16 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import msgspec
-
 import numpy as np
 
-from asyncrl.coordinator.learner import TrainGroup
-from asyncrl.coordinator.taskboard import LeaseRejected, TaskBoard
+from asyncrl import tasks
 from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import fingerprint
-from asyncrl import tasks
-from asyncrl.task_sources import encode_prompt
+from asyncrl.tasks.sources import encode_prompt
+
+from .learner import TrainGroup
+from .taskboard import LeaseRejected, TaskBoard
 
 REWARD_TOLERANCE = 1e-6
 
@@ -88,6 +88,16 @@ class Ingest:
         self.sampling = sampling  # what leases promise; a batch claiming other sampling params is MALFORMED
         self.verdicts: deque[dict] = deque(maxlen=1024)  # recent outcomes, newest last (trust.json, tests)
         self._reserved = 0  # queue slots held by batches being verified (room is checked before the nonce)
+
+    def note_client(self, signer: bytes, name: str = "") -> None:
+        """A volunteer asked for work: remember its chosen name and when it was last seen."""
+        with self.lock:
+            self._client(signer, name)
+
+    def queued(self) -> int:
+        """Groups accepted and not yet taken by the learner."""
+        with self.lock:
+            return self.queued_groups
 
     def _client(self, signer: bytes, name: str = "") -> ClientStats:
         fp = fingerprint(signer)

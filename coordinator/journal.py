@@ -13,12 +13,13 @@ crash leaves whole entries or none.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import msgspec
 
-from asyncrl.coordinator.learner import TrainGroup
+from asyncrl.protocol.atomic import write_atomic
+
+from .learner import TrainGroup
 
 
 class JournalEntry(msgspec.Struct, frozen=True):
@@ -49,12 +50,7 @@ class IngestJournal:
                              prompt_ids=list(batch.prompt_ids), groups=list(batch.groups),
                              signer=getattr(batch, "signer", ""))
         final = self.path / f"{entry.batch_id.hex()}.entry"
-        tmp = final.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(msgspec.msgpack.encode(entry))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
+        write_atomic(final, msgspec.msgpack.encode(entry))  # fsyncs the file and the directory
 
     def remove(self, batch_id: bytes) -> None:
         (self.path / f"{batch_id.hex()}.entry").unlink(missing_ok=True)

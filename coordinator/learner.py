@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from asyncrl.coordinator.loss import LossConfig, group_advantages, grpo_loss
 from asyncrl.protocol.messages import LoraSpec
+
+from .loss import LossConfig, group_advantages, grpo_loss
 
 
 @dataclass
@@ -54,7 +55,7 @@ class Learner:
     def __init__(self, model: str, lora: LoraSpec, *, lr: float, loss: LossConfig,
                  max_staleness: int | None, weight_decay: float = 0.0, max_grad_norm: float = 1.0,
                  seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32):
-        from asyncrl.lora import load_base_model, with_lora
+        from asyncrl.models.lora import load_base_model, with_lora
 
         base, self.tokenizer = load_base_model(model, dtype=dtype)
         self.model = with_lora(base, lora, seed=seed).to(device)

@@ -27,7 +27,7 @@ import time
 from collections import Counter, deque
 from typing import Callable
 
-from asyncrl.plots import SMOOTH_WINDOW, moving_average
+from .plots import SMOOTH_WINDOW, moving_average
 
 LIVE_WINDOW_S = 120.0
 """A volunteer counts as live when it leased or uploaded within this many seconds."""

@@ -1,7 +1,7 @@
 """Publisher: adapter tensors -> codec -> signed manifest -> signed pointer in the DHT.
 
 Per version it keeps the signed manifest and the payload chunks in memory (the last `keep` versions)
-and serves them over P2P (asyncrl.adapter_serving.AdapterServer, wired by the service). The DHT holds only
+and serves them over P2P (asyncrl.swarm.serving.AdapterServer, wired by the service). The DHT holds only
 the small signed pointer: {run, version, manifest sha256, keyframe version}.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from asyncrl.protocol import codec, envelope, messages
 from asyncrl.protocol.identity import Identity
 
-# The pointer's DHT key, TTL and who may write it: asyncrl.protocol.swarm / asyncrl.swarm_records.
+# The pointer's DHT key, TTL and who may write it: asyncrl.protocol.swarm / asyncrl.swarm.records.
 
 
 @dataclass

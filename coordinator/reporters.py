@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from asyncrl.coordinator.config import ConfigError
+from .config import ConfigError
 
 # report_to name -> (module that must import, pip package to suggest)
 TRACKERS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),

@@ -1,9 +1,10 @@
 """Coordinator hub: wires the components and runs the learner loop.
 
 Components (each has one job; none references this hub):
-  SwarmNode   (asyncrl.transport)  hivemind DHT + P2P streams; serves the handlers below
+  SwarmNode   (asyncrl.swarm.transport)  hivemind DHT + P2P streams; serves the handlers below
   Publisher   adapter -> codec -> signed manifest + chunks; signed pointer stored in the DHT
   TaskBoard   prompt leases, expiry and re-leasing
+  LeaseDesk   (coordinator/leasing.py) who gets which prompts, with back-pressure on in-flight work
   Ingest      verify + decode + re-score signed rollout batches; bounded queue to the learner
   Learner     GRPO steps on the LoRA adapter; owns the version counter
   RunLog      metrics.jsonl + summary.json in the run directory
@@ -30,22 +31,21 @@ import threading
 import time
 from pathlib import Path
 
-from asyncrl.coordinator.config import CoordinatorConfig
-from asyncrl.protocol import envelope, messages
-from asyncrl.protocol.errors import ProtocolError, RejectCode
+from asyncrl.protocol import messages
+from asyncrl.protocol.atomic import read_json, write_json_atomic
 from asyncrl.protocol.identity import Identity
-from asyncrl.task_sources import encode_prompt
+from asyncrl.swarm import streams
+from asyncrl.swarm.streams import stream_name
+
+from .config import CoordinatorConfig
+from .leasing import MAX_LEASE_REQUEST_BYTES
 
 POINTER_REFRESH_S = 60.0
 
 
-def handler_name(run_id: str, what: str) -> str:
-    return f"asyncrl.{run_id}.{what}"
-
-
 def resolve_model(model: str) -> tuple[str, str, str]:
     """(path to load, name to publish, revision). "tiny" is built locally and pinned by weight hash."""
-    from asyncrl import tinymodel
+    from asyncrl.models import tinymodel
 
     if model in ("tiny", tinymodel.TINY_MODEL_NAME):
         path = tinymodel.write_tiny_model(tinymodel.default_tiny_model_dir())
@@ -83,7 +83,7 @@ class Coordinator:
         cfg.write(self.run_dir)
         self.identity, created = Identity.load_or_create(self.run_dir / "coordinator.key")
         self.identity.write_libp2p_identity(self.run_dir / "p2p.identity")
-        from asyncrl.coordinator.telemetry import Telemetry
+        from .telemetry import Telemetry
 
         self.telemetry = Telemetry(cfg, self.run_dir, out=out)
         self.log = RunLog(self.run_dir / "metrics.jsonl", listeners=[self.telemetry.observe])
@@ -91,38 +91,41 @@ class Coordinator:
 
     # ---- start-up ---------------------------------------------------------------------------
     def start(self) -> str:
-        from asyncrl.transport import SwarmNode
+        from asyncrl.swarm.transport import SwarmNode
 
         cfg = self.cfg
         # The DHT forks: create it before torch spins up threads or CUDA.
         self.node = SwarmNode(host_maddrs=[f"/ip4/{cfg.host}/tcp/{cfg.port}"], announce_maddrs=cfg.announce or None,
                               identity_path=str(self.run_dir / "p2p.identity"))
         assert self.node.peer_id == self.identity.peer_id, "p2pd did not adopt the coordinator key"
-        from asyncrl.swarm_records import PointerRecord, PresenceTracker, call_back_then_push, install_validator
+        from asyncrl.swarm.records import PointerRecord, PresenceTracker, call_back_then_push, install_validator
 
         install_validator(self.node, cfg.run_id, self.node.peer_id)  # only our key may write our pointer
         # Volunteers' version lag; their addresses in peers.json, dialled back after a restart.
-        self.presence_tracker = PresenceTracker(self.node, cfg.run_id, peers_path=self.run_dir / "peers.json")
+        peers_path = self.run_dir / "peers.json"
+        self.presence_tracker = PresenceTracker(self.node, cfg.run_id,
+                                                save_peers=lambda known: write_json_atomic(peers_path, {"peers": known}),
+                                                load_peers=lambda: _saved_peers(peers_path))
         self.presence_tracker.start()
         self.pointer = PointerRecord(self.node, self.identity, cfg.run_id, peers=self.presence_tracker.serving_peers)
         threading.Thread(target=call_back_then_push, args=(self.presence_tracker, self.pointer), name="call-back",
                          daemon=True).start()
 
-        from asyncrl.coordinator import checkpoint
-        from asyncrl.coordinator.ingest import Ingest
-        from asyncrl.coordinator.journal import IngestJournal
-        from asyncrl.coordinator.publisher import Publisher
-        from asyncrl.coordinator.taskboard import TaskBoard
+        from . import checkpoint
+        from .ingest import Ingest
+        from .journal import IngestJournal
+        from .publisher import Publisher
+        from .taskboard import TaskBoard
 
         path, self.base_model, self.base_revision = resolve_model(cfg.model)
         self.lora = messages.LoraSpec(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                                       target_modules=tuple(cfg.lora_targets))
-        from asyncrl.coordinator.ddp import make_learner  # a DDP learner under torchrun (coordinator/ddp.py)
+        from .ddp import make_learner  # a DDP learner under torchrun (coordinator/ddp.py)
 
         self.learner = make_learner(path, self.lora, lr=cfg.lr, loss=cfg.loss, max_staleness=cfg.max_staleness,
                                     seed=cfg.seed)
         self.initial_lora = self.learner.lora_parameters()
-        from asyncrl.task_sources import open_source
+        from asyncrl.tasks.sources import open_source
 
         source = open_source(cfg.task, seed=cfg.seed, tokenizer=self.learner.tokenizer, chat_template=cfg.chat_template,
                              prompt_field=cfg.task_prompt_field, answer_field=cfg.task_answer_field,
@@ -130,8 +133,8 @@ class Coordinator:
         self.board = TaskBoard(source, lease_timeout_s=cfg.lease_timeout_s,
                                max_leases_per_client=cfg.max_leases_per_client)
         self.journal = IngestJournal(self.run_dir / "journal")
-        from asyncrl.coordinator.access import AccessControl, AccessPolicy
-        from asyncrl.coordinator.audit import Auditor
+        from .access import AccessControl, AccessPolicy
+        from .audit import Auditor
 
         self.access = AccessControl(AccessPolicy.from_config(cfg))  # who may talk, how often; strikes, bans
         self.auditor = Auditor.from_config(cfg, self.learner)  # logprob audit; shares the learner's base weights
@@ -144,9 +147,14 @@ class Coordinator:
         self.auditor.attach(self.ingest)
         self.sync_round = None
         if cfg.sync:  # the synchronous baseline (benchmarks): coordinator/sync_round.py
-            from asyncrl.coordinator.sync_round import SyncRound
+            from .sync_round import SyncRound
 
             self.sync_round = SyncRound(self.ingest, self.board, live_s=cfg.lease_timeout_s)
+        from .leasing import LeaseDesk, LeasePolicy
+
+        self.lease_desk = LeaseDesk(LeasePolicy.from_config(cfg), audience=self.identity.public_key, board=self.board,
+                                    ingest=self.ingest, access=self.access, tokenizer=self.learner.tokenizer,
+                                    current_version=lambda: self.learner.version, sync_round=self.sync_round)
         self.publisher = Publisher(self.identity, run_id=cfg.run_id, base_model=self.base_model,
                                    base_revision=self.base_revision, lora=self.lora,
                                    keyframe_every=cfg.keyframe_every, chunk_bytes=cfg.chunk_bytes)
@@ -154,7 +162,7 @@ class Coordinator:
         self.checkpoints = checkpoint.Checkpointing(
             self.run_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints, gate=self.gate, learner=self.learner,
             board=self.board, ingest=self.ingest, journal=self.journal, out=self.out, resume=cfg.resume,
-            held=(lambda: list(self.sync_round._pending)) if self.sync_round is not None else None,
+            held=self.sync_round.held if self.sync_round is not None else None,
             identity=checkpoint.identity_meta(run_id=cfg.run_id, base_model=self.base_model,
                                               base_revision=self.base_revision, lora=self.lora))
         if cfg.resume:
@@ -162,7 +170,7 @@ class Coordinator:
             self.log.write("resume", **info)
             self.out(f"resumed from {info['checkpoint']} (step {info['from_step']}); publishing v{info['version']}, "
                      f"{info['replayed_batches']} journalled batches re-queued")
-        from asyncrl.coordinator.trust_state import TrustState
+        from .trust_state import TrustState
 
         self.trust = TrustState(self.run_dir, ingest=self.ingest, access=self.access, auditor=self.auditor,
                                 every_s=cfg.trust_state_every_s, out=self.out)
@@ -188,7 +196,7 @@ class Coordinator:
         loop = node.loops.loop
 
         async def lease(request: bytes, peer: str) -> bytes:
-            return await loop.run_in_executor(None, self.gate.run, self._lease, request, peer)
+            return await loop.run_in_executor(None, self.gate.run, self.lease_desk.handle, request, peer)
 
         async def submit(request: bytes, peer: str) -> bytes:
             ack = await loop.run_in_executor(None, self.gate.run, self.ingest.handle, request, peer)
@@ -197,62 +205,26 @@ class Coordinator:
         async def info(request: bytes, peer: str) -> bytes:
             return cfg.run_id.encode()
 
-        node.serve("asyncrl.info", info, max_request_bytes=64)
-        from asyncrl.adapter_serving import AdapterServer
+        node.serve(streams.INFO, info, max_request_bytes=64)
+        from asyncrl.swarm.serving import AdapterServer
 
         self.adapter_server = AdapterServer(node, cfg.run_id, self.publisher).start()  # manifest + chunk handlers
-        node.serve(handler_name(cfg.run_id, "lease"), lease, max_request_bytes=64 * 1024, admit=self.access.admit_peer)
-        node.serve(handler_name(cfg.run_id, "submit"), submit, max_request_bytes=cfg.max_batch_bytes,
+        node.serve(stream_name(cfg.run_id, streams.LEASE), lease, max_request_bytes=MAX_LEASE_REQUEST_BYTES,
                    admit=self.access.admit_peer)
-
-    def _lease(self, request: bytes, peer: str = "") -> bytes:
-        try:
-            return self._grant(request)
-        except ProtocolError as exc:  # unattributable garbage strikes the transport peer (coordinator/access.py)
-            self.access.on_reject(exc.code, signer=None, peer=peer)
-            raise
-
-    def _grant(self, request: bytes) -> bytes:
-        if len(request) > envelope.HEADER_BYTES and request[:4] == envelope.MAGIC:
-            self.access.check_signer(bytes(request[4:36]))  # banned / not allowed: before the signature check
-        opened = envelope.open_envelope(request, max_bytes=64 * 1024, expected_kind="lease_request",
-                                        expected_audience=self.identity.public_key,
-                                        window_s=self.cfg.timestamp_window_s)
-        self.access.admit_identity(opened.signer)  # per-key rate, first-contact rate, quota
-        req = messages.decode(opened.payload, messages.LeaseRequest, max_bytes=64 * 1024)
-        if req.run_id != self.cfg.run_id:
-            raise ProtocolError(RejectCode.WRONG_RUN, f"this coordinator runs {self.cfg.run_id!r}")
-        with self.ingest.lock:
-            queued = self.ingest.queued_groups
-        room = self.cfg.max_inflight_groups - queued - self.board.counts()["outstanding"]
-        if self.sync_round is not None:  # one grant per live volunteer per version, no back-pressure needed
-            grants = self.sync_round.lease(opened.signer, req.adapter_version, self.learner.version,
-                                           min(req.max_prompts, self.cfg.prompts_per_lease))
-        else:
-            grants = self.board.lease(opened.signer, max(0, min(req.max_prompts, self.cfg.prompts_per_lease, room)))
-        sampling = self.ingest.sampling  # ingest refuses batches claiming anything else
-        tok = self.learner.tokenizer
-        leases = tuple(messages.TaskLease(
-            lease_id=g.lease_id, prompt_id=g.prompt.prompt_id, prompt=g.prompt.text,
-            prompt_token_ids=_int32_bytes(encode_prompt(tok, g.prompt.text)), answer=g.prompt.answer,
-            reward=g.prompt.reward, group_size=self.cfg.group_size, sampling=sampling, expires_at=g.expires_at)
-            for g in grants)
-        with self.ingest.lock:
-            self.ingest._client(opened.signer, req.client_name)
-        return messages.encode(messages.LeaseGrant(run_id=self.cfg.run_id, leases=leases,
-                                                   current_version=self.learner.version))
+        node.serve(stream_name(cfg.run_id, streams.SUBMIT), submit, max_request_bytes=cfg.max_batch_bytes,
+                   admit=self.access.admit_peer)
 
     # ---- publishing -------------------------------------------------------------------------
     def _publish(self) -> None:
-        from asyncrl.lora import export_lora
+        from asyncrl.models.lora import export_lora
 
-        from asyncrl.coordinator.checkpoint import record_published
+        from .checkpoint import record_published
 
         specs, blobs = export_lora(self.learner.model, self.cfg.publish_dtype)
         self.auditor.remember_published(self.learner.version, specs, blobs, self.learner.steps)
         record_published(self.run_dir, self.learner.version)  # before any volunteer can see it: --resume goes above
         pub = self.publisher.publish(self.learner.version, specs, blobs)
-        from asyncrl.transport import TransportError
+        from asyncrl.swarm.transport import TransportError
 
         try:
             self.pointer.store(pub.pointer_bytes)
@@ -350,9 +322,7 @@ class Coordinator:
                                "chunks_sent": self.adapter_server.stats.chunks_sent,
                                "manifests_sent": self.adapter_server.stats.manifests_sent},
         }
-        tmp = self.run_dir / "summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2))
-        tmp.replace(self.run_dir / "summary.json")
+        write_json_atomic(self.run_dir / "summary.json", summary, indent=2)
         return summary
 
     def presence(self) -> list[dict]:
@@ -387,10 +357,10 @@ class Coordinator:
             self.log.close()
 
 
-def _int32_bytes(ids) -> bytes:
-    import numpy as np
-
-    return np.asarray(ids, dtype="<i4").tobytes()
+def _saved_peers(path: Path) -> dict[str, list[str]]:
+    data = read_json(path, {})
+    peers = data.get("peers") if isinstance(data, dict) else None
+    return peers if isinstance(peers, dict) else {}
 
 
 def install_signal_handlers(stop: threading.Event) -> None:

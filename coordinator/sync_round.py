@@ -29,8 +29,9 @@ import queue
 import threading
 import time
 
-from asyncrl.coordinator.taskboard import LeaseRejected
 from asyncrl.protocol.identity import fingerprint
+
+from .taskboard import LeaseRejected
 
 POLL_S = 0.2
 
@@ -49,6 +50,10 @@ class SyncRound:
         self.rounds = 0
         self.dropped_groups = 0  # off-round groups dropped (they were generated with another version)
         self._pending: list = []  # batches taken off the ingest queue for the current round (learner thread)
+
+    def held(self) -> list:
+        """Batches taken off the ingest queue for the current round, not yet trained (a checkpoint keeps them)."""
+        return list(self._pending)
 
     # ---- lease side (P2P handler threads) ----------------------------------------------------
     def lease(self, signer: bytes, client_version: int, current_version: int, want: int) -> list:

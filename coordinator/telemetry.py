@@ -3,7 +3,7 @@
 Components (one job each; none references the Coordinator — they get events and a snapshot function):
   RunStats       (coordinator/metrics.py)   counters and curves from RunLog events
   Reporters      (coordinator/reporters.py) optional TensorBoard / W&B / trackio sinks
-  PlotOnDemand   (asyncrl/plots.py)         reward.png on SIGUSR1; a final one at close()
+  PlotOnDemand   (coordinator/plots.py)         reward.png on SIGUSR1; a final one at close()
   Dashboard      (coordinator/dashboard.py) status page, /api/status, /metrics, /plot.png over HTTP
 
 The hub calls `observe(event, fields)` for every metrics.jsonl event (RunLog listener),
@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from asyncrl.coordinator.config import CoordinatorConfig
-from asyncrl.coordinator.metrics import RunStats, make_registry, merge_presence, volunteer_rows
-from asyncrl.coordinator.reporters import Reporters
-from asyncrl.plots import PlotOnDemand, plot_run
+from .config import CoordinatorConfig
+from .metrics import RunStats, make_registry, merge_presence, volunteer_rows
+from .plots import PlotOnDemand, plot_run
+from .reporters import Reporters
 
 
 class Telemetry:
@@ -57,7 +57,7 @@ class Telemetry:
         self.registry = make_registry(snapshot)
         if not self.cfg.dashboard:
             return None
-        from asyncrl.coordinator.dashboard import Dashboard
+        from .dashboard import Dashboard
 
         self.dashboard = Dashboard(snapshot=snapshot, registry=self.registry, run_dir=self.run_dir,
                                    host=self.cfg.dashboard_host, port=self.cfg.dashboard_port)

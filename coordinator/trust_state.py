@@ -15,18 +15,11 @@ union of both never forgets a nonce or a ban).
 from __future__ import annotations
 
 import json
-import os
 import threading
 from pathlib import Path
 
+from asyncrl.protocol.atomic import write_atomic
 from asyncrl.protocol.errors import ProtocolError
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
 
 
 class TrustState:

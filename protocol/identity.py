@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from .atomic import write_atomic
 from .errors import ProtocolError, RejectCode
 
 PUBLIC_KEY_BYTES = 32
@@ -106,23 +106,10 @@ def verify_signature(public_key: bytes, signature: bytes, data: bytes) -> None:
 
 
 def _write_private_file(path: str | os.PathLike, data: bytes) -> None:
-    """Atomically write `data` to `path` with mode 0600 (temp file in the same folder + os.replace)."""
+    """Atomically write `data` to `path` with mode 0600 (a key never exists with wider permissions)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # mode 0600
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    write_atomic(path, data, mode=0o600)
 
 
 class Identity:

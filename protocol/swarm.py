@@ -12,7 +12,7 @@ Two kinds of small records per run (adapter bytes travel over P2P streams, never
 The coordinator's peer id is in the pointer's key, so each coordinator has its own pointer and a node
 that knows the join address knows whose signature the pointer needs. Every asyncrl DHT node runs
 `check_pointer` / `check_presence` on every record it is asked to store or receives in an answer
-(`asyncrl/swarm_records.py` wires them into hivemind as a record validator), so a pointer signed by
+(`swarm/records.py` wires them into hivemind as a record validator), so a pointer signed by
 anyone but the coordinator, or a presence record for someone else's peer id, is refused everywhere.
 
 Freshness: hivemind does not sign a record's expiration time and answers `get` with the value that

@@ -41,7 +41,10 @@ class Procs:
         self.procs: list[subprocess.Popen] = []
 
     def start(self, name: str, args: list[str], **kwargs) -> subprocess.Popen:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **kwargs.pop("env", {})}
+        # PYTHONPATH: the checkout, so `-m bench.swarmlab` / `-m tests...` resolve from any cwd
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+               **kwargs.pop("env", {})}
         log = open(self.log_dir / f"{name}.log", "w")
         proc = subprocess.Popen([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True, **kwargs)

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.adversarial.swarm import (COORDINATOR_FLAGS, AttackRecord, Mallory, Swarm, read_json, wait_for,
-                                     write_artifact)
+from tests.adversarial.swarm import COORDINATOR_FLAGS, AttackRecord, Mallory, Swarm, read_json, wait_for, write_artifact
 from tests.conftest import Procs, wait_for_join
 
 

@@ -1,7 +1,7 @@
 """The adversarial suite's cast: one real swarm (coordinator, alice, bob as OS processes) and mallory.
 
 alice and bob are ordinary `asyncrl-client join` processes. mallory is this test process: she uses the
-real transport (`asyncrl.transport.SwarmNode`), the real protocol code (envelopes, messages) and a real
+real transport (`asyncrl.swarm.transport.SwarmNode`), the real protocol code (envelopes, messages) and a real
 engine to craft her batches, so each attack reaches the coordinator exactly as it would over the
 internet. Results go to tests/artifacts/adversarial.json (rendered into docs/SECURITY.md by
 `python -m tests.adversarial.report`).
@@ -22,6 +22,8 @@ import numpy as np
 from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import Identity, fingerprint, public_key_from_peer_id
+from asyncrl.swarm.streams import stream_name
+
 from tests.conftest import wait_for  # one polling helper for every suite (re-exported below)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -131,7 +133,7 @@ class Mallory:
 
     def __init__(self, swarm: Swarm):
         from asyncrl.client.adapter_sync import AdapterSync
-        from asyncrl.transport import SwarmNode
+        from asyncrl.swarm.transport import SwarmNode
 
         self.swarm = swarm
         self.node = SwarmNode(initial_peers=[swarm.join])
@@ -145,7 +147,7 @@ class Mallory:
 
     # ---- tools ----------------------------------------------------------------------------------
     def new_node(self):
-        from asyncrl.transport import SwarmNode
+        from asyncrl.swarm.transport import SwarmNode
 
         node = SwarmNode(initial_peers=[self.swarm.join])
         self.extra_nodes.append(node)
@@ -165,8 +167,8 @@ class Mallory:
 
     def _engine(self, adapter):
         if self.engine is None:
-            from asyncrl import tinymodel
             from asyncrl.client.engine import TransformersEngine
+            from asyncrl.models import tinymodel
 
             path = tinymodel.write_tiny_model(tinymodel.default_tiny_model_dir())
             self.engine = TransformersEngine(str(path), adapter.manifest.lora, seed=7)
@@ -175,7 +177,7 @@ class Mallory:
         return self.engine
 
     def call(self, what: str, sealed: bytes, node=None, max_response_bytes: int = 4 << 20) -> bytes:
-        return (node or self.node).call(self.swarm.coordinator_peer, f"asyncrl.{RUN_ID}.{what}", sealed,
+        return (node or self.node).call(self.swarm.coordinator_peer, stream_name(RUN_ID, what), sealed,
                                         max_response_bytes=max_response_bytes, timeout=60)
 
     def lease(self, ident: Identity, n: int = 1, node=None, timeout: float = 90.0) -> list[messages.TaskLease]:
@@ -256,7 +258,7 @@ class Mallory:
 
         async def go():
             _, reader, writer = await node.p2p.call_binary_stream_handler(
-                PeerID.from_base58(self.swarm.coordinator_peer), f"asyncrl.{RUN_ID}.{name}")
+                PeerID.from_base58(self.swarm.coordinator_peer), stream_name(RUN_ID, name))
             try:
                 writer.write(header_length.to_bytes(8, "big"))
                 await writer.drain()

@@ -12,9 +12,12 @@ import time
 
 import pytest
 
-from asyncrl.protocol import envelope, limits, messages, swarm as swarm_proto
+from asyncrl.protocol import envelope, limits, messages
+from asyncrl.protocol import swarm as swarm_proto
 from asyncrl.protocol.errors import ProtocolError
 from asyncrl.protocol.identity import Identity
+from asyncrl.swarm.streams import stream_name
+
 from tests.adversarial.swarm import RUN_ID, wait_for
 
 pytestmark = pytest.mark.integration
@@ -41,7 +44,7 @@ def test_fake_adapter_pointer(mallory, swarm, attack):
     fake = envelope.seal(mallory.identity, swarm_proto.POINTER_KIND, messages.encode(pointer))
     mallory.node.store(key, fake, swarm_proto.POINTER_TTL_S)  # honest DHT nodes refuse to keep it
     # a newcomer with the volunteers' DHT record validator reads the coordinator's pointer, not hers ...
-    from asyncrl.swarm_records import install_validator
+    from asyncrl.swarm.records import install_validator
 
     victim = mallory.new_node()
     install_validator(victim, RUN_ID, swarm.coordinator_peer)
@@ -65,11 +68,11 @@ def test_fake_adapter_pointer(mallory, swarm, attack):
 def test_corrupted_adapter_chunk(mallory, swarm, attack):
     rec = attack("corrupted adapter chunk", "a seeder announcing every version and serving chunks with a flipped "
                                             "bit, to alice, bob and a victim follower")
-    from asyncrl.adapter_serving import AdapterServer, AdapterStore
     from asyncrl.client.adapter_sync import AdapterSync
-    from asyncrl.swarm_fetch import SwarmFetcher
-    from asyncrl.swarm_records import PresenceBeacon
-    from asyncrl.transport import SwarmNode
+    from asyncrl.swarm.fetch import SwarmFetcher
+    from asyncrl.swarm.records import PresenceBeacon
+    from asyncrl.swarm.serving import AdapterServer, AdapterStore
+    from asyncrl.swarm.transport import SwarmNode
 
     class TamperingServer(AdapterServer):
         def outgoing_chunk(self, version: int, index: int, data: bytes) -> bytes:
@@ -92,7 +95,7 @@ def test_corrupted_adapter_chunk(mallory, swarm, attack):
     try:
         # a victim follower that finds only mallory in the presence records
         version = sync.current.version
-        raw = mallory.node.call(swarm.coordinator_peer, f"asyncrl.{RUN_ID}.manifest", version.to_bytes(8, "big"),
+        raw = mallory.node.call(swarm.coordinator_peer, stream_name(RUN_ID, "manifest"), version.to_bytes(8, "big"),
                                 max_response_bytes=limits.MAX_MANIFEST_BYTES)
         manifest = messages.decode_manifest(envelope.open_envelope(
             raw, max_bytes=limits.MAX_MANIFEST_BYTES, expected_kind="adapter_manifest",

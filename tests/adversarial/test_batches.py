@@ -9,6 +9,7 @@ import pytest
 
 from asyncrl.protocol import messages
 from asyncrl.protocol.identity import Identity
+
 from tests.adversarial.swarm import MAX_STRIKES, completion, replace_completions, wait_for
 
 pytestmark = pytest.mark.integration

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.identity import Identity
+
 from tests.adversarial.swarm import batch_id_of, corrupt
 
 pytestmark = pytest.mark.integration

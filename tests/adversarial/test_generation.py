@@ -17,6 +17,7 @@ import pytest
 
 from asyncrl.protocol import messages
 from asyncrl.protocol.identity import Identity
+
 from tests.adversarial.swarm import completion, replace_completions
 
 pytestmark = pytest.mark.integration
@@ -84,8 +85,8 @@ def test_completions_from_another_adapter_version(mallory, swarm, attack):
 
 def test_completions_from_another_base_model(mallory, attack):
     rec = attack("another base model", "the published adapter on a different base model (cheaper or poisoned)")
-    from asyncrl import tinymodel
     from asyncrl.client.engine import TransformersEngine
+    from asyncrl.models import tinymodel
 
     ident = Identity.generate()
     leases = mallory.lease(ident, 1)

@@ -11,8 +11,18 @@ import pytest
 from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.errors import ProtocolError
 from asyncrl.protocol.identity import Identity
-from tests.adversarial.swarm import (IDENTITY_BURST, IDENTITY_RATE, NEW_IDENTITY_BURST, NEW_IDENTITY_RATE, PEER_BURST, PEER_MAX_STRIKES,
-                                     RUN_ID, wait_for)
+from asyncrl.swarm.streams import stream_name
+
+from tests.adversarial.swarm import (
+    IDENTITY_BURST,
+    IDENTITY_RATE,
+    NEW_IDENTITY_BURST,
+    NEW_IDENTITY_RATE,
+    PEER_BURST,
+    PEER_MAX_STRIKES,
+    RUN_ID,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -24,7 +34,7 @@ def lease_burst(mallory, node, identities) -> tuple[list[str], float]:
         req = messages.LeaseRequest(run_id=RUN_ID, max_prompts=0, adapter_version=0, client_name="sybil")
         sealed = envelope.seal(ident, "lease_request", messages.encode(req), audience=mallory.swarm.coordinator_key)
         try:
-            await node.acall(mallory.swarm.coordinator_peer, f"asyncrl.{RUN_ID}.lease", sealed, max_response_bytes=1 << 20)
+            await node.acall(mallory.swarm.coordinator_peer, stream_name(RUN_ID, "lease"), sealed, max_response_bytes=1 << 20)
             return "OK"
         except ProtocolError as exc:
             return exc.code.value

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import json
 import math
-
-import msgspec
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
 pytestmark = pytest.mark.vllm
@@ -34,7 +33,7 @@ def _adapter(model_dir: str, seed: int):
     """A LoRA adapter whose B weights are random (PEFT initialises B to zero, a no-op adapter)."""
     import torch
 
-    from asyncrl.lora import export_lora, load_base_model, with_lora
+    from asyncrl.models.lora import export_lora, load_base_model, with_lora
     from asyncrl.protocol.messages import LoraSpec
 
     base, _ = load_base_model(model_dir)
@@ -52,7 +51,7 @@ def _recompute(model_dir: str, adapter, prompt: list[int], tokens: list[int], sa
     import torch
 
     from asyncrl.client.engine import processed_logprobs
-    from asyncrl.lora import load_base_model, load_lora, tensors_from_bytes, with_lora
+    from asyncrl.models.lora import load_base_model, load_lora, tensors_from_bytes, with_lora
     from asyncrl.protocol.messages import LoraSpec
 
     key = (model_dir, id(adapter))
@@ -76,8 +75,8 @@ def test_vllm_engine_matches_transformers(tmp_path, procs):
 
     require_vllm()
 
+    from asyncrl.models.tinymodel import write_tiny_model
     from asyncrl.protocol.messages import SamplingParams
-    from asyncrl.tinymodel import write_tiny_model
 
     model_dir = str(write_tiny_model(tmp_path / "tiny"))
     v1, v2 = _adapter(model_dir, seed=1), _adapter(model_dir, seed=2)
@@ -140,9 +139,7 @@ def test_vllm_engine_matches_transformers(tmp_path, procs):
 
 def _driver(model_dir: str, adapters_path: str, out_path: str) -> None:
     from asyncrl.client.engine_vllm import VLLMEngine
-    from asyncrl.protocol.messages import LoraSpec, SamplingParams
-
-    from asyncrl.protocol.messages import TensorSpec
+    from asyncrl.protocol.messages import LoraSpec, SamplingParams, TensorSpec
 
     adapters = msgspec.msgpack.decode(Path(adapters_path).read_bytes(),
                                       type=dict[str, tuple[list[TensorSpec], dict[str, bytes]]])

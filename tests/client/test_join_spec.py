@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from asyncrl.bootstrap import join_spec
 from asyncrl.protocol.identity import Identity
-from asyncrl.transport import BadAddress
+from asyncrl.swarm.bootstrap import join_spec
+from asyncrl.swarm.transport import BadAddress
 
 COORD = Identity.from_seed(bytes(range(32)))
 PEER = Identity.from_seed(bytes(range(1, 33)))

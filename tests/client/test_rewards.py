@@ -21,7 +21,7 @@ def test_math_reward_verifies_equivalent_answers():
 
 
 def test_math_reward_time_limit_scores_zero_and_recovers():
-    from asyncrl.math_reward import math_reward
+    from asyncrl.tasks.math_reward import math_reward
 
     # A tiny limit forces the timeout path (worker killed, 0 credit); the next call gets a fresh worker.
     assert math_reward("$2^{2^{2^{2^{2}}}}$", "1", timeout_s=0.001) == 0.0

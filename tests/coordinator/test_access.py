@@ -9,9 +9,10 @@ import os
 
 import pytest
 
-from asyncrl.coordinator.access import AccessControl, AccessPolicy, TokenBucket, parse_key_file
+from asyncrl.coordinator.access import AccessControl, AccessPolicy, parse_key_file
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import Identity
+from asyncrl.swarm.rate import TokenBucket
 
 ALICE = Identity.from_seed(bytes(range(32)))
 BOB = Identity.from_seed(bytes(range(1, 33)))

@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl import tasks, tinymodel
+from asyncrl import tasks
 from asyncrl.client.engine import TransformersEngine
 from asyncrl.coordinator.audit import Auditor, mismatch, shadow_model
 from asyncrl.coordinator.config import LORA_TARGETS
 from asyncrl.coordinator.learner import Learner, TrainGroup
 from asyncrl.coordinator.loss import LossConfig
-from asyncrl.lora import export_lora
+from asyncrl.models import tinymodel
+from asyncrl.models.lora import export_lora
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.messages import LoraSpec, SamplingParams
 

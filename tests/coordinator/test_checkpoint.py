@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl import tasks, tinymodel
+from asyncrl import tasks
 from asyncrl.coordinator import checkpoint
 from asyncrl.coordinator.ddp_check import synthetic_groups
 from asyncrl.coordinator.ingest import Ingest
@@ -17,9 +17,10 @@ from asyncrl.coordinator.journal import IngestJournal
 from asyncrl.coordinator.learner import Learner
 from asyncrl.coordinator.loss import LossConfig
 from asyncrl.coordinator.taskboard import TaskBoard
+from asyncrl.models import tinymodel
 from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.identity import Identity
-from asyncrl.task_sources import open_source
+from asyncrl.tasks.sources import open_source
 
 COORD = Identity.from_seed(bytes(range(32)))
 ALICE = Identity.from_seed(bytes(range(1, 33)))

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from asyncrl.coordinator import admin
 from asyncrl.coordinator.dashboard import Dashboard
 from asyncrl.coordinator.metrics import RunStats, make_registry, volunteer_rows
-from asyncrl.plots import PlotOnDemand, plot_run
+from asyncrl.coordinator.plots import PlotOnDemand, plot_run
 from asyncrl.protocol.identity import Identity
 
 

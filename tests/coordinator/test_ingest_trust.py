@@ -10,10 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from asyncrl import tasks, tinymodel
+from asyncrl import tasks
 from asyncrl.coordinator.access import AccessControl, AccessPolicy
 from asyncrl.coordinator.ingest import Ingest
 from asyncrl.coordinator.taskboard import TaskBoard
+from asyncrl.models import tinymodel
 from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.identity import Identity
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl import tinymodel
 from asyncrl.coordinator.learner import Learner, TrainGroup
 from asyncrl.coordinator.loss import LossConfig
+from asyncrl.models import tinymodel
 from asyncrl.protocol.messages import LoraSpec
 
 LORA = LoraSpec(r=4, alpha=8.0, dropout=0.0, target_modules=("q_proj", "v_proj"))

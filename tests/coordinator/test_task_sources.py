@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from asyncrl import tinymodel
-from asyncrl.task_sources import TaskSourceError, encode_prompt, open_source
+from asyncrl.models import tinymodel
+from asyncrl.tasks.sources import TaskSourceError, encode_prompt, open_source
 
 TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 

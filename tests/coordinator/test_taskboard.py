@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from asyncrl.coordinator.taskboard import LeaseRejected, TaskBoard
-from asyncrl.task_sources import open_source
+from asyncrl.tasks.sources import open_source
 
 ALICE, BOB = b"a" * 32, b"b" * 32
 

@@ -23,14 +23,17 @@ import os
 import sys
 import time
 
+from asyncrl.swarm.streams import stream_name
+
 
 def emit(event: str, **fields) -> None:
     print(json.dumps({"event": event, "t": time.time(), **fields}), flush=True)
 
 
 def tamper(argv: list[str]) -> int:
-    from asyncrl import swarmlab
-    from asyncrl.adapter_serving import AdapterServer
+    from asyncrl.swarm.serving import AdapterServer
+
+    from bench import swarmlab
 
     class TamperingProvider(AdapterServer):
         def outgoing_chunk(self, version: int, index: int, data: bytes) -> bytes:
@@ -49,7 +52,7 @@ def mallory(argv: list[str]) -> int:
     from asyncrl.protocol import envelope, messages, swarm
     from asyncrl.protocol.errors import ProtocolError
     from asyncrl.protocol.identity import Identity
-    from asyncrl.transport import SwarmNode
+    from asyncrl.swarm.transport import SwarmNode
 
     p = argparse.ArgumentParser()
     p.add_argument("address")
@@ -72,7 +75,7 @@ def mallory(argv: list[str]) -> int:
     node.dht.store(key, sealed, expiration)  # keep a local copy (no validator here): traversals meet it
     for peer in args.push_to:
         try:
-            node.call(peer, f"asyncrl.{args.run_id}.pointer", sealed, max_response_bytes=64)
+            node.call(peer, stream_name(args.run_id, "pointer"), sealed, max_response_bytes=64)
             emit("pushed", peer=peer, code=None)
         except ProtocolError as exc:
             emit("pushed", peer=peer, code=exc.code.value)
@@ -91,7 +94,7 @@ def probe(argv: list[str]) -> int:
 
     from hivemind.p2p import PeerID
 
-    from asyncrl.transport import HEADER, SwarmNode, _read_frame
+    from asyncrl.swarm.transport import HEADER, SwarmNode, _read_frame
 
     address, handler, claimed = argv[0], argv[1], int(argv[2])
     node = SwarmNode(initial_peers=[address])

@@ -41,7 +41,7 @@ def test_foreign_base_model_is_refused_with_one_line(procs, coordinator, tmp_pat
     import torch
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.tinymodel import build_config, build_tokenizer
+    from asyncrl.models.tinymodel import build_config, build_tokenizer
 
     tok = build_tokenizer()
     cfg = build_config(len(tok))

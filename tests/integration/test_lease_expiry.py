@@ -9,6 +9,7 @@ import signal
 import pytest
 
 from asyncrl.protocol import envelope, messages
+
 from tests.conftest import wait_for, wait_for_join
 
 pytestmark = pytest.mark.integration

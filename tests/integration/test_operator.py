@@ -24,6 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from asyncrl.coordinator.config_file import EXAMPLE_PATH
+
 from tests.conftest import REPO, Procs, wait_for
 
 pytestmark = pytest.mark.integration

@@ -10,6 +10,7 @@ import signal
 import pytest
 
 from asyncrl.protocol.codec import KEYFRAME_CODEC
+
 from tests.conftest import wait_for, wait_for_join
 
 pytestmark = pytest.mark.integration

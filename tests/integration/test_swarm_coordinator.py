@@ -8,6 +8,8 @@ import signal
 
 import pytest
 
+from asyncrl.swarm.streams import stream_name
+
 from tests.conftest import REPO, wait_for, wait_for_join
 
 pytestmark = pytest.mark.integration
@@ -50,7 +52,7 @@ def test_oversized_batch_frame_is_refused_without_reading_it(procs, tmp_path, fr
     run_id = json.loads((run / "config.json").read_text())["run_id"]
     # Header claims one byte over the cap; the body is never sent. A server that buffered before checking
     # would wait for it and never answer; ours answers from the header.
-    probe = procs.start("probe", ["-m", "tests.integration.swarm_peers", "probe", join, f"asyncrl.{run_id}.submit",
+    probe = procs.start("probe", ["-m", "tests.integration.swarm_peers", "probe", join, stream_name(run_id, "submit"),
                                   str(MAX_BATCH_BYTES + 1)], cwd=REPO)
     probe.wait(120)
     answer = [json.loads(line) for line in probe.log_path.read_text().splitlines() if line.startswith("{")]

@@ -1,4 +1,4 @@
-"""Swarm transport with real processes on loopback: lab publisher + lab followers (asyncrl/swarmlab.py),
+"""Swarm transport with real processes on loopback: lab publisher + lab followers (bench/swarmlab.py),
 each its own hivemind DHT and p2pd. The publisher is the real Publisher/codec/AdapterServer/pointer
 record; followers are the real AdapterSync/SwarmFetcher/AdapterServer/presence beacon. Adversaries
 come from tests/integration/swarm_peers.py. Tests assert digests and counters, never log text.
@@ -45,13 +45,13 @@ def alive(proc) -> None:
 
 
 def start_publisher(procs, tmp_path, *extra, stdin=None):
-    pub = procs.start("publisher", ["-m", "asyncrl.swarmlab", "publish", "--run-dir", str(tmp_path / "pub"),
+    pub = procs.start("publisher", ["-m", "bench.swarmlab", "publish", "--run-dir", str(tmp_path / "pub"),
                                     *SMALL, "--presence-every-s", "1", *extra], cwd=REPO, stdin=stdin)
     ready = wait_for(lambda: (alive(pub), events(pub, "ready"))[1], 120, "the publisher to start")[0]
     return pub, ready
 
 
-def start_follower(procs, tmp_path, name, join, *extra, module=("-m", "asyncrl.swarmlab", "follow")):
+def start_follower(procs, tmp_path, name, join, *extra, module=("-m", "bench.swarmlab", "follow")):
     data = tmp_path / name
     proc = procs.start(name, [*module, join, "--data-dir", str(data), "--name", name, "--run-id", "lab", *extra],
                        cwd=REPO)

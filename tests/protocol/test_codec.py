@@ -31,6 +31,9 @@ from asyncrl.protocol.codec import (
     split_chunks,
     verify_chunk,
 )
+from asyncrl.protocol.codec import encoder as codec_encoder
+from asyncrl.protocol.codec import format as codec_format
+from asyncrl.protocol.codec import planes as codec_planes
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.messages import TensorSpec
 
@@ -126,10 +129,10 @@ def lora_like(seed: int, n_a: int = 70_000, n_b: int = 90_000, steps: int = 2):
 def tiny_classes(monkeypatch):
     """Let the encoder use context classes and segments on tiny tensors (the decoder never reads
     these knobs: it follows the header)."""
-    monkeypatch.setattr(codec, "MIN_CLASS_ELEMS", 1)
-    monkeypatch.setattr(codec, "MIN_CLASS_FRACTION", 0.0)
-    monkeypatch.setattr(codec, "MERGE_TOL_BITS", 0.0)
-    monkeypatch.setattr(codec, "SEGMENT_MIN_GAP", 0.0)
+    monkeypatch.setattr(codec_encoder, "MIN_CLASS_ELEMS", 1)
+    monkeypatch.setattr(codec_encoder, "MIN_CLASS_FRACTION", 0.0)
+    monkeypatch.setattr(codec_encoder, "MERGE_TOL_BITS", 0.0)
+    monkeypatch.setattr(codec_encoder, "SEGMENT_MIN_GAP", 0.0)
 
 
 # ------------------------------------------------------------------------------------ round trips
@@ -167,11 +170,11 @@ def test_delta_roundtrip_with_classes_and_segments(tiny_classes, data):  # the p
 def test_both_plane_layouts_roundtrip_any_length(case):
     """Byte planes and bit fields (incl. padding of the packed planes) invert exactly."""
     dtype, w = case
-    dt = codec._DTYPES[dtype]
-    for layout in (codec._LAYOUT_BYTES, codec._LAYOUT_FIELDS):
-        planes = [p.tobytes() for p in codec._pack(w, layout, dt)]
-        assert [len(p) for p in planes] == codec._plane_sizes(layout, w.size, dt)
-        assert np.array_equal(codec._unpack(planes, layout, w.size, dt), w)
+    dt = codec_format.DTYPES[dtype]
+    for layout in (codec_format.LAYOUT_BYTES, codec_format.LAYOUT_FIELDS):
+        planes = [p.tobytes() for p in codec_planes.pack(w, layout, dt)]
+        assert [len(p) for p in planes] == codec_planes.plane_sizes(layout, w.size, dt)
+        assert np.array_equal(codec_planes.unpack(planes, layout, w.size, dt), w)
 
 
 @pytest.mark.parametrize("dtype", sorted(BITS))
@@ -384,7 +387,7 @@ def test_random_bytes_raise_only_protocol_error(blob, codec_name):
     with pytest.raises(ProtocolError):
         decode(codec_name, specs, blob, {"w": b"\0" * 8}, max_raw_bytes=CAP)
     with pytest.raises(ProtocolError):
-        decode(codec_name, specs, codec._MAGIC + b"\x01" + blob, {"w": b"\0" * 8}, max_raw_bytes=CAP)
+        decode(codec_name, specs, codec_format.MAGIC + b"\x01" + blob, {"w": b"\0" * 8}, max_raw_bytes=CAP)
 
 
 # ------------------------------------------------------------------------------------ size caps
@@ -392,7 +395,7 @@ def test_random_bytes_raise_only_protocol_error(blob, codec_name):
 
 def _keyframe_payload(n: int, frames: list[bytes], crc: int = 0) -> bytes:
     """Hand-built keyframe payload for one bf16 tensor of n elements (see the codec's docstring)."""
-    hdr = codec._MAGIC + struct.pack("<BBIB", 1, 0, crc, 1)
+    hdr = codec_format.MAGIC + struct.pack("<BBIB", 1, 0, crc, 1)
     hdr += struct.pack("<BII", 0, 1, 0) + struct.pack("<B", 1)  # group: bf16, 1 tensor, order [0]
     hdr += struct.pack("<IB", 1, 1) + struct.pack("<B2I", 0, *(len(f) for f in frames))  # 1 segment/class
     return hdr + b"".join(frames)

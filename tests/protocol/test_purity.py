@@ -8,7 +8,8 @@ import subprocess
 import sys
 
 FORBIDDEN = ("torch", "hivemind", "vllm", "transformers")
-SUBMODULES = ["errors", "limits", "identity", "messages", "envelope", "codec", "swarm"]
+SUBMODULES = ["errors", "limits", "identity", "messages", "envelope", "codec", "codec.format", "codec.planes",
+              "codec.encoder", "codec.decoder", "codec.chunking", "swarm", "atomic"]
 
 
 def test_protocol_imports_no_heavy_dependencies():

@@ -9,9 +9,10 @@ import threading
 
 import pytest
 
-from asyncrl.adapter_serving import AdapterServer, AdapterStore, TokenBucket, chunk_request, manifest_request
 from asyncrl.protocol.errors import ProtocolError, RejectCode
-from asyncrl.swarm_fetch import ProviderView, SwarmFetcher
+from asyncrl.swarm.fetch import ProviderView, SwarmFetcher
+from asyncrl.swarm.rate import TokenBucket
+from asyncrl.swarm.serving import AdapterServer, AdapterStore, chunk_request, manifest_request
 
 
 class TamperingProvider(AdapterServer):
@@ -70,12 +71,11 @@ def test_a_tampering_subclass_changes_only_what_goes_out():
 
 
 def test_token_bucket_paces_to_the_rate_after_the_burst():
-    bucket = TokenBucket(1000, burst_s=1.0)
-    bucket.last = 0.0
-    assert bucket.delay_for(1000, now=0.0) == 0.0  # the saved-up second
-    assert bucket.delay_for(500, now=0.0) == pytest.approx(0.5)
-    assert bucket.delay_for(500, now=0.0) == pytest.approx(1.0)  # concurrent senders queue up
-    assert bucket.delay_for(100, now=10.0) == 0.0  # idle time refills, up to the burst
+    bucket = TokenBucket(1000, burst=1000, now=0.0)  # one second of credit
+    assert bucket.reserve(1000, now=0.0) == 0.0  # the saved-up second
+    assert bucket.reserve(500, now=0.0) == pytest.approx(0.5)
+    assert bucket.reserve(500, now=0.0) == pytest.approx(1.0)  # concurrent senders queue up
+    assert bucket.reserve(100, now=10.0) == 0.0  # idle time refills, up to the burst
 
 
 def test_prune_keeps_the_chain_from_the_newest_keyframe():

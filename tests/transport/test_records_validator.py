@@ -11,7 +11,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from asyncrl.protocol import envelope, messages, swarm
 from asyncrl.protocol.identity import Identity
-from asyncrl.swarm_records import SwarmRecordValidator
+from asyncrl.swarm.records import SwarmRecordValidator
 
 COORD = Identity.from_seed(bytes(range(32)))
 MALLORY = Identity.from_seed(bytes(range(1, 33)))

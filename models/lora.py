@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from asyncrl.protocol.atomic import write_atomic
 from asyncrl.protocol.messages import LoraSpec, TensorSpec
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -77,15 +78,12 @@ def load_lora(model, tensors: dict[str, torch.Tensor]) -> None:
 
 def write_peft_dir(path: Path, spec: LoraSpec, base_model: str, tensors: dict[str, torch.Tensor]) -> Path:
     """An ordinary PEFT adapter directory (what vLLM's LoRARequest loads)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     path.mkdir(parents=True, exist_ok=True)
     cfg = peft_config(spec).to_dict()
     cfg["base_model_name_or_path"] = base_model
     cfg = {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}
-    tmp = path / "adapter_config.json.tmp"
-    tmp.write_text(json.dumps(cfg, indent=2, default=str))
-    tmp.replace(path / "adapter_config.json")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "adapter_model.safetensors.tmp"))
-    (path / "adapter_model.safetensors.tmp").replace(path / "adapter_model.safetensors")
+    write_atomic(path / "adapter_config.json", json.dumps(cfg, indent=2, default=str))
+    write_atomic(path / "adapter_model.safetensors", save({k: v.contiguous() for k, v in tensors.items()}))
     return path

@@ -32,9 +32,12 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
-from asyncrl.adapter_serving import AdapterStore, chunk_request, handler_name, manifest_request
 from asyncrl.protocol import codec, limits, messages, swarm
 from asyncrl.protocol.errors import ProtocolError, RejectCode
+
+from . import streams
+from .serving import AdapterStore, chunk_request, manifest_request
+from .streams import stream_name
 
 BAN_S = 600.0
 """A provider that served a chunk failing its hash is not asked again for this long."""
@@ -74,7 +77,7 @@ class PresenceCache:
     """Presence records, re-read from the DHT at most every `max_age_s` (by whoever calls refresh)."""
 
     def __init__(self, node, run_id: str, max_age_s: float = PRESENCE_MAX_AGE_S):
-        from asyncrl.swarm_records import read_presence
+        from .records import read_presence
 
         self._read = lambda: read_presence(node, run_id)
         self.max_age_s = max_age_s
@@ -158,7 +161,7 @@ class SwarmFetcher:
             for peer in (holders[k:] + holders[:k])[:2] + [self.coordinator]:
                 try:
                     raw = await asyncio.wait_for(
-                        self.node.acall(peer, handler_name(self.run_id, "manifest"), manifest_request(version),
+                        self.node.acall(peer, stream_name(self.run_id, streams.MANIFEST), manifest_request(version),
                                         max_response_bytes=limits.MAX_MANIFEST_BYTES), self.request_timeout_s)
                 except ProtocolError as exc:
                     self.stats.refusals += 1
@@ -240,7 +243,7 @@ class SwarmFetcher:
     async def _chunk(self, peer: str, manifest: messages.AdapterManifest, index: int, wait_s: float) -> bytes | None:
         try:
             data = await asyncio.wait_for(
-                self.node.acall(peer, handler_name(self.run_id, "chunk"), chunk_request(manifest.version, index, wait_s),
+                self.node.acall(peer, stream_name(self.run_id, streams.CHUNK), chunk_request(manifest.version, index, wait_s),
                                 max_response_bytes=manifest.chunk_bytes),
                 wait_s + self.request_timeout_s)
         except ProtocolError as exc:

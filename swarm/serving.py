@@ -4,7 +4,6 @@ Owned by the swarm transport (docs/transport.md). Components:
 
   AdapterStore   versions this peer holds, complete or still arriving (a volunteer's copy); thread-safe;
                  coroutines on the P2P loop can wait for a chunk that is on its way.
-  TokenBucket    paces uploads to a byte rate (a volunteer's `--max-upload-mbps`).
   AdapterServer  serves whatever a *source* holds: the coordinator's Publisher (complete versions) or
                  an AdapterStore. Counts what it sent (the benchmark's coordinator uplink figure).
 
@@ -27,20 +26,19 @@ from __future__ import annotations
 import asyncio
 import struct
 import threading
-import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 
+from . import streams
+from .rate import TokenBucket
+from .streams import stream_name
+
 MAX_WAIT_S = 10.0
 """Longest a long-poll request is held open on the serving side."""
 MAX_REQUEST_BYTES = 64
-
-
-def handler_name(run_id: str, what: str) -> str:
-    return f"asyncrl.{run_id}.{what}"
 
 
 def manifest_request(version: int, wait_s: float = 0.0) -> bytes:
@@ -159,34 +157,6 @@ def _resolve(fut: asyncio.Future, data: bytes) -> None:
         fut.set_result(data)
 
 
-class TokenBucket:
-    """Paces a byte stream to `rate` bytes/s with up to `burst_s` seconds of saved-up credit.
-
-    Reservations may run into debt: concurrent senders queue up behind each other, so the long-run
-    rate never exceeds `rate`. Used from one event loop (no lock)."""
-
-    def __init__(self, rate: float, burst_s: float = 1.0):
-        if rate <= 0:
-            raise ValueError("rate must be > 0 bytes/s")
-        self.rate = float(rate)
-        self.capacity = self.rate * burst_s
-        self.tokens = self.capacity
-        self.last = time.monotonic()
-
-    def delay_for(self, nbytes: int, now: float | None = None) -> float:
-        """Reserve `nbytes`; return how long the caller must wait before sending them."""
-        now = time.monotonic() if now is None else now
-        self.tokens = min(self.capacity, self.tokens + (now - self.last) * self.rate)
-        self.last = now
-        self.tokens -= nbytes
-        return max(0.0, -self.tokens / self.rate)
-
-    async def take(self, nbytes: int) -> None:
-        delay = self.delay_for(nbytes)
-        if delay > 0:
-            await asyncio.sleep(delay)
-
-
 @dataclass
 class ServerStats:
     manifests_sent: int = 0
@@ -204,13 +174,13 @@ class AdapterServer:
         self.node = node
         self.run_id = run_id
         self.source = source
-        self.bucket = TokenBucket(upload_bps) if upload_bps and upload_bps > 0 else None
+        self.bucket = TokenBucket(upload_bps, burst=upload_bps) if upload_bps and upload_bps > 0 else None  # 1 s of credit
         self.max_wait_s = max_wait_s
         self.stats = ServerStats()
 
     def start(self) -> "AdapterServer":
-        self.node.serve(handler_name(self.run_id, "manifest"), self._manifest, max_request_bytes=MAX_REQUEST_BYTES)
-        self.node.serve(handler_name(self.run_id, "chunk"), self._chunk, max_request_bytes=MAX_REQUEST_BYTES)
+        self.node.serve(stream_name(self.run_id, streams.MANIFEST), self._manifest, max_request_bytes=MAX_REQUEST_BYTES)
+        self.node.serve(stream_name(self.run_id, streams.CHUNK), self._chunk, max_request_bytes=MAX_REQUEST_BYTES)
         return self
 
     # Seam for fault injection: a subclass may alter what goes out (tests' TamperingProvider does).
@@ -253,7 +223,7 @@ class AdapterServer:
             self.stats.refused += 1
             raise ProtocolError(RejectCode.STALE_VERSION, "chunk not held")
         if self.bucket is not None:
-            await self.bucket.take(len(data))
+            await self.bucket.pace(len(data))
         self.stats.chunks_sent += 1
         self.stats.bytes_sent += len(data)
         self.stats.bytes_by_version[version] += len(data)

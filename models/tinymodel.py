@@ -10,7 +10,7 @@ Shape choices: head_dim 64 (vLLM's CPU attention rejects 16), 2 layers, hidden 1
 character vocabulary; random weights (initializer_range 0.02 keeps the initial policy close to
 uniform, which the toy task relies on: see docs/toy-task.md).
 
-    python -m asyncrl.tinymodel /tmp/tiny      # writes config, weights, tokenizer
+    python -m asyncrl.models.tinymodel /tmp/tiny      # writes config, weights, tokenizer
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@
 Owned by the swarm transport (docs/transport.md). These are the real transport pieces — SwarmNode,
 the DHT validator, Publisher + codec + AdapterServer on the publishing side; AdapterSync, SwarmFetcher,
 AdapterServer and the presence beacon on the following side — with no model: the publisher evolves a
-synthetic Qwen2.5-1.5B-shaped LoRA (asyncrl/synthetic_adapter.py) and followers only verify, decode
+synthetic Qwen2.5-1.5B-shaped LoRA (bench/synthetic_adapter.py) and followers only verify, decode
 and hash. So the thing measured is the transport, and a test needs no torch model or learner.
 
-    python -m asyncrl.swarmlab publish --run-dir runs/lab --versions 3          # then keeps serving
-    python -m asyncrl.swarmlab publish --run-dir runs/lab --control             # "publish"/"stats" on stdin
-    python -m asyncrl.swarmlab follow /ip4/127.0.0.1/tcp/PORT/p2p/12D3KooW... --data-dir runs/lab/f0
+    python -m bench.swarmlab publish --run-dir runs/lab --versions 3          # then keeps serving
+    python -m bench.swarmlab publish --run-dir runs/lab --control             # "publish"/"stats" on stdin
+    python -m bench.swarmlab follow /ip4/127.0.0.1/tcp/PORT/p2p/12D3KooW... --data-dir runs/lab/f0
 
 Both print one JSON object per line on stdout (events: ready, published, stats, peers, held); a
 follower also keeps <data-dir>/status.json (atomic) with its fetch counters, so a test can watch a
@@ -21,13 +21,15 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import signal
 import sys
 import threading
 import time
 import zlib
 from pathlib import Path
+
+from asyncrl.protocol.atomic import write_json_atomic
+from asyncrl.swarm import streams
 
 LAB_MODEL = "synthetic-qwen2.5-1.5b"
 
@@ -50,24 +52,19 @@ def digest(specs, tensors: dict[str, bytes], algorithm: str = "sha256") -> str:
     return h.hexdigest()
 
 
-def write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
-
-
 # ---- publisher ----------------------------------------------------------------------------------
 
 
 class LabPublisher:
     def __init__(self, args):
-        from asyncrl.adapter_serving import AdapterServer
         from asyncrl.coordinator.publisher import Publisher
         from asyncrl.protocol import messages
         from asyncrl.protocol.identity import Identity
-        from asyncrl.swarm_records import PointerRecord, PresenceTracker, install_validator
-        from asyncrl.synthetic_adapter import LINEARS, SyntheticAdapter
-        from asyncrl.transport import SwarmNode
+        from asyncrl.swarm.records import PointerRecord, PresenceTracker, install_validator
+        from asyncrl.swarm.serving import AdapterServer
+        from asyncrl.swarm.transport import SwarmNode
+
+        from bench.synthetic_adapter import LINEARS, SyntheticAdapter
 
         run_dir = Path(args.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -89,7 +86,7 @@ class LabPublisher:
         async def info(request: bytes, peer: str) -> bytes:
             return args.run_id.encode()
 
-        self.node.serve("asyncrl.info", info, max_request_bytes=64)
+        self.node.serve(streams.INFO, info, max_request_bytes=64)
         self.version = -1
         addr = next(a for a in self.node.visible_maddrs() if "127.0.0.1" in a or "/ip4/" in a)
         self.join = addr if "/p2p/" in addr else f"{addr}/p2p/{self.node.peer_id}"
@@ -153,17 +150,17 @@ def run_publisher(args) -> int:
 
 
 def run_follower(args, server_cls=None) -> int:
-    from asyncrl.bootstrap import join_spec
     from asyncrl.client.adapter_sync import AdapterSync
     from asyncrl.client.swarm_member import SwarmMembership, open_node
     from asyncrl.protocol.identity import Identity
+    from asyncrl.swarm.bootstrap import join_spec
 
     data_dir = Path(args.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     spec = join_spec(args.address, args.coordinator)
     identity, _ = Identity.load_or_create(data_dir / "identity.key")
     node = open_node(bootstrap=spec.bootstrap, data_dir=data_dir, identity=identity, client_mode=False)
-    run_id = args.run_id or node.call(spec.coordinator_peer_id, "asyncrl.info", b"", max_response_bytes=256).decode()
+    run_id = args.run_id or node.call(spec.coordinator_peer_id, streams.INFO, b"", max_response_bytes=256).decode()
     sync = AdapterSync(node, coordinator_peer_id=spec.coordinator_peer_id, coordinator_key=spec.coordinator_key,
                        run_id=run_id)
     member = SwarmMembership(node, identity=identity, sync=sync, run_id=run_id, name=args.name,
@@ -191,7 +188,7 @@ def run_follower(args, server_cls=None) -> int:
             emit("peers", name=args.name, peers=peers)
         if time.time() - last_status > 0.5:
             last_status = time.time()
-            write_json(data_dir / "status.json", {"name": args.name, "peer_id": node.peer_id, "maddrs": member.maddrs,
+            write_json_atomic(data_dir / "status.json", {"name": args.name, "peer_id": node.peer_id, "maddrs": member.maddrs,
                                                   "held": held,
                                                   "peers": peers, "banned": sync.fetcher.banned, **member.stats()})
         stop.wait(0.05)
@@ -201,7 +198,7 @@ def run_follower(args, server_cls=None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m asyncrl.swarmlab", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.swarmlab", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     pub = sub.add_parser("publish", help="a model-free coordinator: publish synthetic adapter versions")
     pub.add_argument("--run-dir", required=True)

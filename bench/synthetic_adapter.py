@@ -1,6 +1,6 @@
 """Synthetic Qwen2.5-1.5B-shaped rank-16 LoRA adapter that evolves like early AdamW training.
 
-Used by the transport benchmark (`bench/broadcast.py`) and `asyncrl.swarmlab`. The point is realistic *bytes* for the
+Used by the transport benchmark (`bench/broadcast.py`) and `bench.swarmlab`. The point is realistic *bytes* for the
 codec and the transport, not a model: real tensor names and shapes (all 7 linear layers of 28
 layers, hidden 1536, intermediate 8960, 12 heads / 2 KV heads of dim 128), bf16 on the wire
 (36.9 MB raw), and consecutive versions that differ the way optimizer steps make them differ:
@@ -13,7 +13,7 @@ layers, hidden 1536, intermediate 8960, 12 heads / 2 KV heads of dim 128), bf16 
 
 fp32 master weights, published as bf16 (round to nearest even), like the coordinator's export.
 
-    python -m asyncrl.synthetic_adapter   # prints sizes and codec ratios for 6 versions
+    python -m bench.synthetic_adapter   # prints sizes and codec ratios for 6 versions
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ class JoinSpec:
 
 def join_spec(address: str, coordinator: str | None = None) -> JoinSpec:
     """Validate ADDRESS (BadAddress) and the optional --coordinator peer id (BadAddress too)."""
-    from asyncrl.transport import BadAddress, parse_join_address
+    from .transport import BadAddress, parse_join_address
 
     addr = parse_join_address(address)
     peer = coordinator or addr.peer_id

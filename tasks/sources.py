@@ -31,8 +31,8 @@ import random
 from pathlib import Path
 from typing import Iterator
 
-from asyncrl import tasks
-from asyncrl.tasks import Prompt
+from . import rewards, toy
+from .prompt import Prompt
 
 CHAT_TEMPLATE_MODES = ("auto", "on", "off")
 
@@ -81,14 +81,14 @@ class BuiltinSource(TaskSource):
         super().__init__()
         self.name = f"builtin:{task}"
         self._task, self._seed = task, seed
-        self._it = tasks.get_task(task, seed)
+        self._it = toy.get_task(task, seed)
 
     def _prompt(self, index: int) -> Prompt:
         return next(self._it)
 
     def restore(self, state: dict) -> None:
         super().restore(state)
-        self._it = tasks.get_task(self._task, self._seed)  # the toy generators are cheap: fast-forward
+        self._it = toy.get_task(self._task, self._seed)  # the toy generators are cheap: fast-forward
         for _ in range(self.index):
             next(self._it)
 
@@ -136,8 +136,8 @@ def _record(obj, where: str, prompt_field: str, answer_field: str, default_rewar
     if not isinstance(reward, str):
         raise bad("field 'reward' must name a reward function")
     try:
-        tasks.get_reward(reward)
-    except tasks.UnknownReward as exc:
+        rewards.get_reward(reward)
+    except rewards.UnknownReward as exc:
         raise bad(exc.args[0]) from None
     return Prompt(prompt_id="", text=prompt, answer=answer, reward=reward)
 
@@ -221,7 +221,7 @@ def open_source(spec: str, *, seed: int = 0, tokenizer=None, chat_template: str 
     if chat_template not in CHAT_TEMPLATE_MODES:
         raise TaskSourceError(f"chat_template must be one of {CHAT_TEMPLATE_MODES}")
     fields = dict(prompt_field=prompt_field, answer_field=answer_field, default_reward=default_reward)
-    if spec in tasks.TASKS:
+    if spec in toy.TASKS:
         return BuiltinSource(spec, seed)
     if spec.startswith("hf:"):
         records, name = read_hf(spec[3:], **fields), "hf"
@@ -229,7 +229,7 @@ def open_source(spec: str, *, seed: int = 0, tokenizer=None, chat_template: str 
         path = Path(spec[6:] if spec.startswith("jsonl:") else spec)
         records, name = read_jsonl(path, **fields), path.stem
     else:
-        raise TaskSourceError(f"unknown task {spec!r}: use a built-in task {sorted(tasks.TASKS)}, "
+        raise TaskSourceError(f"unknown task {spec!r}: use a built-in task {sorted(toy.TASKS)}, "
                               "a .jsonl file (or jsonl:PATH) or hf:<dataset>[:config][:split]")
     has_template = tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
     if chat_template == "on" and not has_template:

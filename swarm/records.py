@@ -33,6 +33,8 @@ from asyncrl.protocol import swarm
 from asyncrl.protocol.errors import ProtocolError
 from asyncrl.protocol.identity import Identity, public_key_from_peer_id
 
+from .streams import POINTER, stream_name
+
 PRESENCE_EVERY_S = 5.0
 """A volunteer re-announces itself this often (records expire after swarm.PRESENCE_TTL_S)."""
 ANNOUNCE_SOON_S = 1.5
@@ -126,7 +128,7 @@ class PointerRecord:
         async def one(peer: str) -> None:
             async with slots:
                 try:
-                    await asyncio.wait_for(self.node.acall(peer, f"asyncrl.{self.run_id}.pointer", sealed_pointer,
+                    await asyncio.wait_for(self.node.acall(peer, stream_name(self.run_id, POINTER), sealed_pointer,
                                                            max_response_bytes=64), PUSH_TIMEOUT_S)
                     self.pushed += 1
                 except Exception:
@@ -195,15 +197,6 @@ class PresenceBeacon:
                     self.out(f"presence announce failed: {exc.__class__.__name__}: {exc}")
 
 
-def _write_json(path, data) -> None:
-    import json
-    import os
-
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
-
-
 def read_presence(node, run_id: str, *, now: float | None = None) -> dict[str, swarm.PresenceRecord]:
     """Verified, unexpired presence records of `run_id` by peer id (empty when none or unreachable)."""
     try:
@@ -230,13 +223,16 @@ class PresenceTracker:
     """Coordinator side: reads presence every `every_s` on a thread; `snapshot(current_version)` gives
     one dict per live volunteer with its version lag (what the dashboard and summary.json show).
 
-    With `peers_path`, the volunteers' announced addresses are kept there (atomically), and `call_back()`
-    dials them after a restart: the restarted coordinator's DHT knows nobody, and volunteers' libp2p
-    dial backoff (grown while it was down) would otherwise delay their reconnect by up to minutes."""
+    With `save_peers` / `load_peers` (the coordinator persists them in its run directory), the
+    volunteers' announced addresses outlive a restart and `call_back()` dials them: the restarted
+    coordinator's DHT knows nobody, and volunteers' libp2p dial backoff (grown while it was down) would
+    otherwise delay their reconnect by up to minutes. This layer writes no files itself."""
 
-    def __init__(self, node, run_id: str, *, every_s: float = TRACK_EVERY_S, peers_path=None):
+    def __init__(self, node, run_id: str, *, every_s: float = TRACK_EVERY_S,
+                 save_peers: Callable[[dict[str, list[str]]], None] | None = None,
+                 load_peers: Callable[[], dict[str, list[str]]] | None = None):
         self.node, self.run_id, self.every_s = node, run_id, every_s
-        self.peers_path = peers_path
+        self.save_peers, self.load_peers = save_peers, load_peers
         self._saved: dict[str, list[str]] = {}
         self.called_back: set[str] = set()  # answered call_back(): treated as serving until presence says otherwise
         self._records: dict[str, swarm.PresenceRecord] = {}
@@ -261,22 +257,20 @@ class PresenceTracker:
         records = read_presence(self.node, self.run_id)
         with self._lock:
             self._records = records
-        if self.peers_path is not None and records:
+        if self.save_peers is not None and records:
             known = {**self._saved, **{p: list(r.maddrs) for p, r in records.items() if r.maddrs}}
             if known != self._saved:
-                _write_json(self.peers_path, {"peers": known})
+                self.save_peers(known)
                 self._saved = known
 
     def call_back(self) -> list[str]:
-        """Dial every volunteer remembered in `peers_path` (in this thread); returns those that answered."""
-        import json
+        """Dial every volunteer `load_peers` remembers (in this thread); returns those that answered."""
+        from .bootstrap import rejoin
 
-        from asyncrl.bootstrap import rejoin
-
-        try:
-            self._saved = json.loads(self.peers_path.read_text())["peers"]
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        saved = self.load_peers() if self.load_peers is not None else {}
+        if not isinstance(saved, dict):
             return []
+        self._saved = saved
         answered = []
         for peer, maddrs in list(self._saved.items())[:MAX_CALL_BACKS]:
             if rejoin(self.node, [f"{m.split('/p2p/')[0]}/p2p/{peer}" for m in maddrs]):

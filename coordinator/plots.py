@@ -5,15 +5,17 @@ end of a run and on demand: SIGUSR1 or the dashboard's /plot.png). The plot is w
 name and renamed over `<run_dir>/reward.png`, so a reader never sees half a PNG. matplotlib is not
 thread-safe, hence one module-level lock around every figure.
 
-    python -c "from pathlib import Path; from asyncrl.plots import plot_run; print(plot_run(Path('runs/demo')))"
+    python -c "from pathlib import Path; from asyncrl.coordinator.plots import plot_run; print(plot_run(Path('runs/demo')))"
 """
 
 from __future__ import annotations
 
+import io
 import json
-import os
 import threading
 from pathlib import Path
+
+from asyncrl.protocol.atomic import write_atomic
 
 PLOT_NAME = "reward.png"
 SMOOTH_WINDOW = 10
@@ -60,7 +62,7 @@ def plot_run(run: Path) -> Path | None:
     rewards = [e["reward_mean"] for e in steps]
     staleness = [sum(e["staleness"]) / max(1, len(e["staleness"])) for e in steps]
     out = run / PLOT_NAME
-    tmp = run / f".{PLOT_NAME}.{os.getpid()}.{threading.get_ident()}.tmp"
+    png = io.BytesIO()
     with _figure_lock:
         fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
         try:
@@ -73,11 +75,10 @@ def plot_run(run: Path) -> Path | None:
             ax2.set_xlabel("optimizer step")
             fig.suptitle("asyncrl run: reward and staleness")
             fig.tight_layout()
-            fig.savefig(tmp, dpi=100, format="png")
+            fig.savefig(png, dpi=100, format="png")
         finally:
             plt.close(fig)
-    os.replace(tmp, out)
-    return out
+    return write_atomic(out, png.getvalue())
 
 
 class PlotOnDemand:

@@ -1,0 +1,176 @@
+"""Decoding: any payload back to the exact bytes that were encoded, trusting nothing.
+
+Sizes come from the specs (checked against `max_raw_bytes` before any decompression), every zstd
+frame must declare its exact content size (checked before zstd allocates anything), and any
+inconsistency raises ProtocolError (MALFORMED, PAYLOAD_TOO_LARGE, or HASH_MISMATCH for a crc32
+mismatch) — never another exception.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import zstandard as zstd
+
+from ..errors import ProtocolError, RejectCode
+from .format import (
+    DELTA_CODEC,
+    DTYPES,
+    KEYFRAME_CODEC,
+    KIND_DELTA,
+    KIND_KEYFRAME,
+    MAX_WINDOW,
+    as_words,
+    checked_specs,
+    dtype_groups,
+    malformed,
+    parse_header,
+    tensors_crc,
+)
+from .planes import (
+    class_mask,
+    exponent,
+    plane_sizes,
+    rotr1,
+    scatter_classes,
+    unpack,
+    unzigzag,
+)
+
+
+def unzstd(dctx: zstd.ZstdDecompressor, frame: memoryview, expected: int, max_raw_bytes: int) -> bytes:
+    try:
+        declared = zstd.frame_content_size(frame)
+    except zstd.ZstdError as exc:
+        raise malformed(f"bad zstd frame header: {exc}") from None
+    if declared < 0:
+        raise malformed("zstd frame does not declare its content size")
+    if declared > max_raw_bytes:
+        raise ProtocolError(RejectCode.PAYLOAD_TOO_LARGE, f"zstd frame expands to {declared} bytes > {max_raw_bytes}")
+    if declared != expected:
+        raise malformed(f"zstd frame expands to {declared} bytes, expected {expected}")
+    try:
+        out = dctx.decompress(frame, max_output_size=expected, allow_extra_data=False)
+    except zstd.ZstdError as exc:
+        raise malformed(f"corrupt zstd frame: {exc}") from None
+    if len(out) != expected:
+        raise malformed(f"zstd frame produced {len(out)} bytes, expected {expected}")
+    return out
+
+
+def decode(
+    codec: str,
+    specs: Sequence[Any],
+    payload: bytes,
+    parent: Mapping[str, bytes] | None,
+    *,
+    max_raw_bytes: int,
+) -> dict[str, bytes]:
+    """Inverse of encode_keyframe/encode_delta: name -> raw bytes, bit-identical to what was encoded.
+
+    Raises ProtocolError only: MALFORMED (unknown codec, delta without parent, parent of the wrong
+    shape, bad header, corrupt or inconsistent zstd frames), PAYLOAD_TOO_LARGE (specs or any frame
+    larger than `max_raw_bytes`; checked before anything is allocated), HASH_MISMATCH (decoded
+    bytes fail the payload's crc32: typically a delta applied to the wrong parent version).
+    """
+    try:
+        return decode_payload(codec, specs, payload, parent, max_raw_bytes)
+    except ProtocolError:
+        raise
+    except MemoryError:
+        raise ProtocolError(RejectCode.PAYLOAD_TOO_LARGE, "out of memory while decoding") from None
+    except Exception as exc:  # safety net: input bytes never escape as another exception type
+        raise malformed(f"undecodable adapter payload ({type(exc).__name__}: {exc})") from None
+
+
+def decode_payload(codec, specs, payload, parent, max_raw_bytes) -> dict[str, bytes]:
+    if codec == KEYFRAME_CODEC:
+        kind = KIND_KEYFRAME
+    elif codec == DELTA_CODEC:
+        kind = KIND_DELTA
+        if parent is None:
+            raise malformed("delta payload needs its parent version")
+    else:
+        raise malformed(f"unknown codec {codec!r}")
+    try:
+        infos = checked_specs(specs)
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise malformed(f"bad tensor specs: {exc}") from None
+    total = sum(n * DTYPES[dt].itemsize for _, dt, n in infos)
+    if total > max_raw_bytes:
+        raise ProtocolError(RejectCode.PAYLOAD_TOO_LARGE, f"adapter is {total} raw bytes > {max_raw_bytes}")
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise malformed(f"payload must be bytes, got {type(payload).__name__}")
+    buf = memoryview(payload).cast("B")
+    pkind, crc, parsed, frames_start = parse_header(buf)
+    if pkind != kind:
+        raise malformed(f"payload kind {pkind} does not match codec {codec!r}")
+    groups = dtype_groups(infos)
+    if [g[0] for g in parsed] != [g[0] for g in groups]:
+        raise malformed(f"payload dtype groups {[g[0] for g in parsed]} do not match the specs'")
+    plan = []
+    for (dtname, order, segs), (_, idx) in zip(parsed, groups):
+        if sorted(order) != idx:
+            raise malformed("tensor order is not a permutation of the group's specs")
+        segments, t = [], 0
+        for cnt, bounds, classes in segs:
+            segments.append((sum(infos[i][2] for i in order[t : t + cnt]), bounds, classes))
+            t += cnt
+        plan.append((DTYPES[dtname], order, segments))
+
+    # Pass 2: decode.
+    dctx = zstd.ZstdDecompressor(max_window_size=MAX_WINDOW)
+    pos = frames_start
+    out: dict[str, bytes] = {}
+    for dt, order, segments in plan:
+        sizes = [infos[i][2] for i in order]
+        n = sum(sizes)
+        if kind == KIND_DELTA:
+            parts = []
+            for i in order:
+                name = infos[i][0]
+                if name not in parent:
+                    raise malformed(f"parent lacks tensor {name!r}")
+                parts.append(as_words(parent[name], dt, infos[i][2], "parent " + name, untrusted=True))
+            par = np.concatenate(parts)
+            e = exponent(par, dt)
+        words = None if len(segments) == 1 and len(segments[0][2]) == 1 else np.empty(n, dt.word)
+        off = 0
+        for seg_n, bounds, classes in segments:
+            e_seg = e[off : off + seg_n] if kind == KIND_DELTA else None
+            counts = (
+                [seg_n]
+                if not bounds
+                else [int(np.count_nonzero(class_mask(e_seg, bounds, k))) for k in range(len(classes))]
+            )
+            streams = []
+            for cnt, (layout, lens) in zip(counts, classes):
+                planes = []
+                for ln, expected in zip(lens, plane_sizes(layout, cnt, dt)):
+                    planes.append(unzstd(dctx, buf[pos : pos + ln], expected, max_raw_bytes))
+                    pos += ln
+                streams.append(unpack(planes, layout, cnt, dt))
+            if words is None:
+                words = streams[0]
+            elif not bounds:
+                words[off : off + seg_n] = streams[0]
+            else:
+                scatter_classes(words[off : off + seg_n], e_seg, bounds, streams)
+            off += seg_n
+        if kind == KIND_KEYFRAME:
+            flat = rotr1(words, dt.bits)
+        else:
+            flat = unzigzag(words)
+            flat += par
+        off = 0
+        for i, size in zip(order, sizes):
+            out[infos[i][0]] = flat[off : off + size].tobytes()
+            off += size
+    if tensors_crc(infos, out) != crc:
+        raise ProtocolError(
+            RejectCode.HASH_MISMATCH,
+            "decoded adapter fails its crc32" + (" (delta applied to the wrong parent?)" if kind == KIND_DELTA else ""),
+        )
+    return {name: out[name] for name, _, _ in infos}

@@ -1,0 +1,262 @@
+"""Encoding: keyframes and deltas (one engine, `encode_payload`), and the stateful `AdapterEncoder`.
+
+Keyframe: per dtype group, tensors ordered by mean exponent, words rotated left by one bit, byte
+planes. Delta: d = (cur - parent) mod 2^bits zigzagged; tensors ordered by the *parent's* mean
+exponent and cut into at most two segments (LoRA A vs B); each segment split into up to
+`MAX_CLASSES` classes by the parent's exponent (`choose_bounds`); each class in the smaller of the
+two plane layouts. docs/codec.md has the measurements behind each choice.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import zstandard as zstd
+
+from .format import (
+    DELTA_CODEC,
+    DTYPES,
+    FORMAT,
+    KEYFRAME_CODEC,
+    KIND_DELTA,
+    KIND_KEYFRAME,
+    MAGIC,
+    MAX_DECODE_CLASSES,
+    Dtype,
+    EncodedAdapter,
+    as_words,
+    checked_specs,
+    dtype_groups,
+    raw_size,
+    tensors_crc,
+)
+from .planes import (
+    class_mask,
+    compress_class,
+    exponent,
+    rotl1,
+    zigzag,
+)
+
+# zstd level: 1 is both the fastest and (on these high-entropy planes) the smallest for keyframes;
+# higher levels buy <1% on deltas at 5-100x the encode time (docs/codec.md).
+DEFAULT_LEVEL = 1
+# Delta context classes: more classes compress better (diminishing after ~10) but each costs the
+# decoder one pass over the group to find its members.
+MAX_CLASSES = 4
+# A class smaller than this is merged into a neighbour (frame overhead, Huffman table warm-up).
+MIN_CLASS_ELEMS = 16384
+MIN_CLASS_FRACTION = 1 / 128
+# Keep merging classes while the cheapest merge costs less than this many bits per element of
+# the segment (by the entropy proxy): a class must pay for the decoder's pass over the segment.
+MERGE_TOL_BITS = 0.01
+# Split a group into two segments only if their mean exponents differ by this many binades.
+SEGMENT_MIN_GAP = 2.0
+
+
+BITLEN16 = np.zeros(1 << 16, np.uint8)
+for _b in range(1, 17):
+    BITLEN16[1 << (_b - 1) : 1 << _b] = _b
+
+
+def bitlen(w: np.ndarray) -> np.ndarray:
+    """Bit length of each word (0 for 0), as uint8."""
+    if w.dtype.itemsize == 2:
+        return BITLEN16[w]
+    hi = BITLEN16[(w >> np.uint32(16)).astype(np.uint16)]
+    lo = BITLEN16[(w & np.uint32(0xFFFF)).astype(np.uint16)]
+    return np.where(hi > 0, hi + np.uint8(16), lo)
+
+
+def xlogx(h: np.ndarray) -> float:
+    """n * H(h) in bits for a histogram h (the ideal cost of coding its symbols)."""
+    tot = float(h.sum())
+    nz = h[h > 0].astype(np.float64)
+    return float(tot * math.log2(tot) - (nz * np.log2(nz)).sum()) if tot else 0.0
+
+
+def choose_bounds(e: np.ndarray, words: np.ndarray, max_classes: int) -> list[int]:
+    """Partition the parent's exponent range into <= max_classes contiguous classes.
+
+    Start with one class per exponent value present; repeatedly merge the adjacent pair whose
+    union costs the fewest extra bits, where cost = n * entropy of the code words' bit lengths
+    (a proxy for how differently the two classes' deltas are distributed); classes smaller than
+    MIN_CLASS_ELEMS / MIN_CLASS_FRACTION of the group are merged first.
+    """
+    n = e.size
+    min_size = max(MIN_CLASS_ELEMS, int(n * MIN_CLASS_FRACTION))
+    if max_classes <= 1 or n < 2 * min_size:
+        return []
+    nbits = words.dtype.itemsize * 8 + 1
+    joint = np.bincount(e.astype(np.intp) * nbits + bitlen(words), minlength=256 * nbits).reshape(256, nbits)
+    groups = [[int(v), joint[v].astype(np.int64)] for v in np.flatnonzero(joint.sum(axis=1))]
+
+    def cost(i: int) -> float:  # extra bits for merging groups i and i+1
+        a, b = groups[i][1], groups[i + 1][1]
+        return xlogx(a + b) - xlogx(a) - xlogx(b)
+
+    while len(groups) > 1:
+        sizes = [int(g[1].sum()) for g in groups]
+        small = [i for i, sz in enumerate(sizes) if sz < min_size]
+        if small:
+            i = min(small, key=lambda j: sizes[j])
+            j = min((j for j in (i - 1, i) if 0 <= j < len(groups) - 1), key=cost)
+        else:
+            j = min(range(len(groups) - 1), key=cost)
+            if len(groups) <= max_classes and cost(j) >= MERGE_TOL_BITS * n:
+                break
+        groups[j][1] = groups[j][1] + groups[j + 1][1]
+        del groups[j + 1]
+    return [g[0] for g in groups[1:]]
+
+
+def order_and_segments(
+    parts: dict[int, np.ndarray], idx: list[int], dt: Dtype, split: bool
+) -> tuple[list[int], list[int]]:
+    """Tensor order (by mean exponent, so similar-magnitude tensors are adjacent: LoRA A and B
+    matrices differ by ~6 binades) and, if `split`, a cut into two segments at the tensor boundary
+    that best separates the two populations (Otsu on the size-weighted per-tensor mean exponent)."""
+    sizes = {i: parts[i].size for i in idx}
+    means = {i: float(exponent(parts[i], dt).mean()) if sizes[i] else 0.0 for i in idx}
+    order = sorted(idx, key=lambda i: (means[i], i))
+    n = sum(sizes.values())
+    min_seg = 2 * max(MIN_CLASS_ELEMS, int(n * MIN_CLASS_FRACTION))
+    if not split or n < 2 * min_seg:
+        return order, [len(order)]
+    w = np.array([sizes[i] for i in order], dtype=np.float64)
+    m = np.array([means[i] for i in order])
+    cw, cm = np.cumsum(w), np.cumsum(w * m)
+    best, cut = 0.0, 0
+    for j in range(1, len(order)):
+        w1, w2 = cw[j - 1], n - cw[j - 1]
+        if w1 < min_seg or w2 < min_seg:
+            continue
+        gap = cm[j - 1] / w1 - (cm[-1] - cm[j - 1]) / w2
+        score = w1 * w2 * gap * gap
+        if score > best and abs(gap) >= SEGMENT_MIN_GAP:
+            best, cut = score, j
+    return order, ([cut, len(order) - cut] if cut else [len(order)])
+
+
+def encode_payload(
+    kind: int,
+    specs: Sequence[Any],
+    tensors: Mapping[str, Any],
+    parent: Mapping[str, Any] | None,
+    level: int,
+    max_classes: int,
+) -> bytes:
+    infos = checked_specs(specs)
+    for name, _, _ in infos:
+        if name not in tensors:
+            raise ValueError(f"missing tensor {name!r}")
+        if parent is not None and name not in parent:
+            raise ValueError(f"parent lacks tensor {name!r}")
+    cctx = zstd.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+    header = bytearray(MAGIC)
+    groups = dtype_groups(infos)
+    header += struct.pack("<BBIB", FORMAT, kind, tensors_crc(infos, tensors), len(groups))
+    frames: list[bytes] = []
+    for dtname, idx in groups:
+        dt = DTYPES[dtname]
+        cur_parts = {i: as_words(tensors[infos[i][0]], dt, infos[i][2], infos[i][0], untrusted=False) for i in idx}
+        if kind == KIND_KEYFRAME:
+            order, seg_counts = order_and_segments(cur_parts, idx, dt, split=False)
+            words = rotl1(np.concatenate([cur_parts[i] for i in order]), dt.bits)
+            e = None
+        else:
+            par_parts = {
+                i: as_words(parent[infos[i][0]], dt, infos[i][2], "parent " + infos[i][0], untrusted=False) for i in idx
+            }
+            order, seg_counts = order_and_segments(par_parts, idx, dt, split=max_classes > 1)
+            par = np.concatenate([par_parts[i] for i in order])
+            words = zigzag(np.concatenate([cur_parts[i] for i in order]) - par, dt.bits)
+            e = exponent(par, dt)
+        header += struct.pack(f"<BI{len(order)}IB", dt.code, len(order), *order, len(seg_counts))
+        off = t = 0
+        for cnt in seg_counts:
+            n_seg = sum(infos[i][2] for i in order[t : t + cnt])
+            t += cnt
+            w_seg = words[off : off + n_seg]
+            if e is None:
+                bounds: list[int] = []
+                members: list[np.ndarray | None] = [None]
+            else:
+                e_seg = e[off : off + n_seg]
+                bounds = choose_bounds(e_seg, w_seg, max_classes)
+                members = (
+                    [np.flatnonzero(class_mask(e_seg, bounds, k)) for k in range(len(bounds) + 1)] if bounds else [None]
+                )
+            off += n_seg
+            header += struct.pack(f"<IB{len(bounds)}H", cnt, len(members), *bounds)
+            for m in members:
+                wk = w_seg if m is None else w_seg[m]
+                layout, fr = compress_class(wk, dt, cctx, try_fields=kind == KIND_DELTA)
+                header += struct.pack(f"<B{len(fr)}I", layout, *(len(f) for f in fr))
+                frames.extend(fr)
+    return bytes(header) + b"".join(frames)
+
+
+def encode_keyframe(specs: Sequence[Any], tensors: Mapping[str, Any], *, level: int = DEFAULT_LEVEL) -> bytes:
+    """Self-contained payload for `tensors` (name -> raw little-endian bytes of `spec.dtype`)."""
+    return encode_payload(KIND_KEYFRAME, specs, tensors, None, level, 1)
+
+
+def encode_delta(
+    specs: Sequence[Any],
+    tensors: Mapping[str, Any],
+    parent: Mapping[str, Any],
+    *,
+    level: int = DEFAULT_LEVEL,
+    max_classes: int = MAX_CLASSES,
+) -> bytes:
+    """Payload that turns `parent` (same specs) into `tensors`; decode needs that exact parent.
+
+    `max_classes` (1..16) bounds the exponent classes per segment: more compress a little better
+    and cost the decoder one pass over the segment each; 1 also disables the A/B segment split."""
+    if parent is None:
+        raise ValueError("encode_delta needs a parent")
+    return encode_payload(KIND_DELTA, specs, tensors, parent, level, max(1, min(int(max_classes), MAX_DECODE_CLASSES)))
+
+
+# --------------------------------------------------------------------------------------- encoder state
+
+
+class AdapterEncoder:
+    """Stateful publisher-side encoder: a keyframe for the first version, whenever the tensor
+    layout changes, and for every version divisible by `keyframe_every`; otherwise a delta
+    against the previously encoded version (which is all it keeps)."""
+
+    def __init__(self, keyframe_every: int = 10, level: int = DEFAULT_LEVEL) -> None:
+        if keyframe_every < 1:
+            raise ValueError("keyframe_every must be >= 1")
+        self.keyframe_every = int(keyframe_every)
+        self.level = int(level)
+        self._prev: tuple[int, tuple, dict[str, bytes]] | None = None
+        self.last_keyframe_version: int | None = None
+
+    @property
+    def last_version(self) -> int | None:
+        return None if self._prev is None else self._prev[0]
+
+    def encode(self, version: int, specs: Sequence[Any], tensors: Mapping[str, Any]) -> EncodedAdapter:
+        specs = list(specs)
+        infos = checked_specs(specs)
+        layout = tuple((name, dt, tuple(s.shape)) for (name, dt, _), s in zip(infos, specs))
+        if self._prev is not None and version <= self._prev[0]:
+            raise ValueError(f"version {version} does not follow {self._prev[0]}")
+        snapshot = {name: bytes(tensors[name]) for name, _, _ in infos}
+        prev = self._prev
+        if prev is None or prev[1] != layout or version % self.keyframe_every == 0:
+            payload = encode_keyframe(specs, snapshot, level=self.level)
+            enc = EncodedAdapter(KEYFRAME_CODEC, None, payload, raw_size(specs))
+            self.last_keyframe_version = version
+        else:
+            payload = encode_delta(specs, snapshot, prev[2], level=self.level)
+            enc = EncodedAdapter(DELTA_CODEC, prev[0], payload, raw_size(specs))
+        self._prev = (version, layout, snapshot)
+        return enc

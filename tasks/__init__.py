@@ -1,0 +1,18 @@
+"""asyncrl.tasks — what volunteers are asked to do and how it is scored; imported by both sides.
+
+  prompt.py       `Prompt`: one task record as leased
+  toy.py          the built-in `repeat` toy task and its reward (docs/toy-task.md)
+  rewards.py      the reward registry (built-ins + the `asyncrl.rewards` entry points), `score`
+  math_reward.py  the `math` reward: math-verify in a time-limited worker process
+  sources.py      `--task` specs: toy, JSONL, Hugging Face datasets; chat templates; `encode_prompt`
+
+Imports neither the coordinator nor the client (tests/test_layering.py): the coordinator re-scores
+with exactly the code the volunteer scored with.
+"""
+
+from .prompt import Prompt
+from .rewards import REWARDS, UnknownReward, exact_reward, get_reward, math_reward, score
+from .toy import REPEAT_LEN, REPEAT_LETTERS, TASKS, get_task, repeat_reward, repeat_task
+
+__all__ = ["Prompt", "REWARDS", "UnknownReward", "exact_reward", "get_reward", "math_reward", "score", "REPEAT_LEN",
+           "REPEAT_LETTERS", "TASKS", "get_task", "repeat_reward", "repeat_task"]

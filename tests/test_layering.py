@@ -1,0 +1,106 @@
+"""The layering, read straight off the import statements (ast only: nothing is imported or executed).
+
+    protocol  <-  swarm  <-  coordinator, client          protocol imports nothing of ours
+    protocol  <-  models, tasks  <-  coordinator, client  coordinator and client never import each other
+
+Every top-level folder that installs is one subsystem under `asyncrl.` (pyproject's package-dir), so
+the folder list is the architecture diagram; benchmarks and test fixtures stay out of the package.
+"""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE_DIRS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+# asyncrl.<subsystem> -> folder; the shared root `asyncrl` is the umbrella CLI and the demo launcher
+SUBSYSTEMS = {name.split(".")[1]: REPO / folder for name, folder in PACKAGE_DIRS.items() if name.count(".") == 1}
+
+ALLOWED = {  # subsystem -> what of ours it may import ("root": the shared asyncrl/*.py modules)
+    "protocol": set(),
+    "swarm": {"protocol"},
+    "models": {"protocol"},
+    "tasks": {"protocol"},
+    "coordinator": {"protocol", "swarm", "models", "tasks", "root"},
+    "client": {"protocol", "swarm", "models", "tasks", "root"},
+}
+
+
+def _module_name(path: Path, folder: Path, package: str) -> str:
+    rel = path.relative_to(folder).with_suffix("")
+    parts = [p for p in rel.parts if p != "__init__"]
+    return ".".join([package, *parts])
+
+
+def imported_modules(path: Path, module: str) -> set[str]:
+    """Absolute names of every module `path` (module `module`) imports, relative imports resolved."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_package = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            out.add(target)
+            out.update(f"{target}.{alias.name}" for alias in node.names)  # `from pkg import submodule`
+    return out
+
+
+def subsystem_imports(name: str) -> dict[str, set[str]]:
+    """file -> what of ours outside `asyncrl.<name>` it imports: other subsystems by name, shared-root
+    modules (asyncrl/*.py, e.g. `asyncrl.signals`) as "root"."""
+    folder = SUBSYSTEMS[name]
+    found = {}
+    for path in sorted(folder.rglob("*.py")):
+        ours = set()
+        for mod in imported_modules(path, _module_name(path, folder, f"asyncrl.{name}")):
+            parts = mod.split(".")
+            if parts[0] != "asyncrl" or len(parts) < 2 or parts[1] == name:
+                continue
+            ours.add(parts[1] if parts[1] in SUBSYSTEMS else "root")
+        found[str(path.relative_to(REPO))] = ours
+    return found
+
+
+def test_every_subsystem_is_a_top_level_folder():
+    assert set(ALLOWED) == set(SUBSYSTEMS), "a new subsystem needs its row in ALLOWED (and in the README's Map)"
+    for name, folder in SUBSYSTEMS.items():
+        assert folder.parent == REPO, f"asyncrl.{name} lives in {folder}, not in a top-level folder"
+        assert (folder / "__init__.py").exists(), f"{folder.name}/ has no __init__.py (hub docstring)"
+
+
+@pytest.mark.parametrize("name", sorted(ALLOWED))
+def test_layering(name):
+    bad = {f: sorted(o - ALLOWED[name]) for f, o in subsystem_imports(name).items() if o - ALLOWED[name]}
+    assert not bad, f"asyncrl.{name} may import only {sorted(ALLOWED[name]) or 'nothing of ours'}; found {bad}"
+
+
+def test_the_import_reader_sees_relative_and_absolute_imports(tmp_path):
+    """The checker itself: it must resolve relative imports, or the layering test could never fail."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from . import a\n")
+    (pkg / "b.py").write_text("from .a import x\nfrom asyncrl.client import worker\nimport asyncrl.protocol.codec\n")
+    assert imported_modules(pkg / "__init__.py", "asyncrl.coordinator") >= {"asyncrl.coordinator.a"}
+    got = imported_modules(pkg / "b.py", "asyncrl.coordinator.b")
+    assert {"asyncrl.coordinator.a", "asyncrl.client", "asyncrl.client.worker", "asyncrl.protocol.codec"} <= got
+
+
+def test_shared_root_stays_small_and_holds_no_fixtures():
+    root = REPO / PACKAGE_DIRS["asyncrl"]
+    modules = sorted(p.name for p in root.glob("*.py"))
+    assert len(modules) <= 8, f"asyncrl/ is a grab-bag again: {modules}"
+    for fixture in ("swarmlab.py", "synthetic_adapter.py"):
+        assert not (root / fixture).exists()
+        assert not any(folder.joinpath(fixture).exists() for folder in SUBSYSTEMS.values())
+    assert not any(name.startswith(("asyncrl.bench", "asyncrl.tests")) for name in PACKAGE_DIRS)
