@@ -139,6 +139,7 @@ class _Identity:
     bucket: TokenBucket
     strikes: int = 0
     valid_streak: int = 0
+    accepted: int = 0  # batches accepted in all (a strike does not reset it)
     accepted_at: deque = field(default_factory=deque)  # wall times of accepted batches in the last hour
     rate_limited: int = 0
 
@@ -188,6 +189,24 @@ class AccessControl:
                 self.counters["rate_limited"] += 1
                 raise ProtocolError(RejectCode.RATE_LIMITED, "too many requests from this peer")
 
+    def check_peer(self, peer: str) -> None:
+        """Banned peers are refused (NOT_ALLOWED); nothing is charged (adapter serving has its own
+        byte budget, swarm/serving.py ServeBudget)."""
+        if peer and peer in self.banned_peers:
+            with self._lock:
+                self.counters["not_allowed"] += 1
+            raise ProtocolError(RejectCode.NOT_ALLOWED, "peer banned")
+
+    def peer_has_accepted(self, peer: str) -> bool:
+        """True when `peer`'s key (a volunteer's peer id is its key) has accepted batches and no ban."""
+        try:
+            key = public_key_from_peer_id(peer)
+        except ProtocolError:
+            return False
+        with self._lock:
+            rec = self._ids.get(key)
+            return rec is not None and rec.accepted > 0 and key not in self.banned
+
     def check_signer(self, key: bytes) -> None:
         """Stateless: banned keys, and keys missing from the allowlist, are refused (NOT_ALLOWED)."""
         with self._lock:
@@ -232,6 +251,7 @@ class AccessControl:
         with self._lock:
             rec = self._identity(key)
             rec.valid_streak += 1
+            rec.accepted += 1
             if self.policy.batches_per_hour:
                 rec.accepted_at.append(self._wall())
 

@@ -124,7 +124,25 @@ class CoordinatorConfig:
     max_batch_bytes: int = 8 * 1024 * 1024
     """Largest signed rollout batch accepted; bigger uploads are refused before they are read."""
     timestamp_window_s: float = 300.0
-    """Signed messages older or newer than this (clock skew included) are refused."""
+    """Signed messages older or newer than this (clock skew included) are refused. Volunteers seal a
+    batch when they upload it, not when they spool it, so an outage longer than this loses nothing."""
+    inbound_bytes: int = 128 * 1024 * 1024
+    """Request bytes being received or handled at once, all peers together (swarm/inbound.py); more
+    are refused with RATE_LIMITED before they are read (the volunteer's outbox retries)."""
+    max_streams_per_peer: int = 32
+    """Inbound streams one peer id may hold open at once."""
+    min_upload_bps: int = 64 * 1024
+    """Slowest upload accepted: a request of L bytes must arrive within 10 s + L / min_upload_bps
+    (slow-drip streams are cut with DEADLINE_EXCEEDED)."""
+    handler_threads: int = 8
+    """Threads verifying lease requests and batches."""
+    handler_queue: int = 64
+    """Requests that may wait for a handler thread; more are refused with RATE_LIMITED."""
+    serve_new_bps: int = 8 * 1024 * 1024
+    """Adapter bytes/s served to peers whose key has no accepted batch yet, all of them together
+    (new volunteers fetch mostly from other volunteers); keys with accepted batches are not limited."""
+    serve_new_peer_bps: int = 2 * 1024 * 1024
+    """...and to each such peer."""
     chunk_bytes: int = 1024 * 1024
     """Size of the adapter payload chunks volunteers fetch over P2P streams."""
 
@@ -203,6 +221,12 @@ class CoordinatorConfig:
             (set(self.report_to) <= {"tensorboard", "wandb", "trackio"},
              "report_to may hold tensorboard, wandb and trackio"),
             (1024 <= self.max_batch_bytes <= 256 * 1024 * 1024, "max_batch_bytes must be in [1 KiB, 256 MiB]"),
+            (self.inbound_bytes >= 2 * self.max_batch_bytes, "inbound_bytes must be >= 2 * max_batch_bytes"),
+            (self.max_streams_per_peer >= 4, "max_streams_per_peer must be >= 4"),
+            (self.min_upload_bps >= 1024, "min_upload_bps must be >= 1024"),
+            (self.handler_threads >= 1 and self.handler_queue >= 0, "handler_threads >= 1 and handler_queue >= 0"),
+            (self.serve_new_bps > 0 and self.serve_new_peer_bps > 0, "serve_new_bps and serve_new_peer_bps must be > 0"),
+            (self.timestamp_window_s > 0, "timestamp_window_s must be > 0"),
             (4096 <= self.chunk_bytes <= 4 * 1024 * 1024, "chunk_bytes must be in [4 KiB, 4 MiB]"),
             (self.access_mode in ("open", "allowlist"), "access_mode must be open or allowlist"),
             (self.access_mode != "allowlist" or bool(self.allowlist_path), "access_mode allowlist needs allowlist_path"),

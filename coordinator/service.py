@@ -96,7 +96,7 @@ class Coordinator:
         cfg = self.cfg
         # The DHT forks: create it before torch spins up threads or CUDA.
         self.node = SwarmNode(host_maddrs=[f"/ip4/{cfg.host}/tcp/{cfg.port}"], announce_maddrs=cfg.announce or None,
-                              identity_path=str(self.run_dir / "p2p.identity"))
+                              identity_path=str(self.run_dir / "p2p.identity"), inbound=inbound_limits(cfg))
         assert self.node.peer_id == self.identity.peer_id, "p2pd did not adopt the coordinator key"
         from asyncrl.swarm.records import PointerRecord, PresenceTracker, call_back_then_push, install_validator
 
@@ -193,22 +193,25 @@ class Coordinator:
 
     def _serve_handlers(self) -> None:
         cfg, node = self.cfg, self.node
-        loop = node.loops.loop
 
-        async def lease(request: bytes, peer: str) -> bytes:
-            return await loop.run_in_executor(None, self.gate.run, self.lease_desk.handle, request, peer)
+        async def lease(request: bytes, peer: str) -> bytes:  # bounded pool: a full queue is RATE_LIMITED
+            return await node.run_blocking(self.gate.run, self.lease_desk.handle, request, peer)
 
         async def submit(request: bytes, peer: str) -> bytes:
-            ack = await loop.run_in_executor(None, self.gate.run, self.ingest.handle, request, peer)
+            ack = await node.run_blocking(self.gate.run, self.ingest.handle, request, peer)
             return messages.encode(ack)
 
         async def info(request: bytes, peer: str) -> bytes:
             return cfg.run_id.encode()
 
         node.serve(streams.INFO, info, max_request_bytes=64)
-        from asyncrl.swarm.serving import AdapterServer
+        from asyncrl.swarm.serving import AdapterServer, ServeBudget
 
-        self.adapter_server = AdapterServer(node, cfg.run_id, self.publisher).start()  # manifest + chunk handlers
+        # manifest + chunk handlers: banned peers refused; keys with accepted batches served first (docs/transport.md)
+        self.serve_budget = ServeBudget(trusted=self.access.peer_has_accepted, stranger_bps=cfg.serve_new_bps,
+                                        stranger_peer_bps=cfg.serve_new_peer_bps)
+        self.adapter_server = AdapterServer(node, cfg.run_id, self.publisher, admit=self.access.check_peer,
+                                            budget=self.serve_budget).start()
         node.serve(stream_name(cfg.run_id, streams.LEASE), lease, max_request_bytes=MAX_LEASE_REQUEST_BYTES,
                    admit=self.access.admit_peer)
         node.serve(stream_name(cfg.run_id, streams.SUBMIT), submit, max_request_bytes=cfg.max_batch_bytes,
@@ -355,6 +358,16 @@ class Coordinator:
             self.node.shutdown()
         finally:
             self.log.close()
+
+
+def inbound_limits(cfg: CoordinatorConfig):
+    """The coordinator's inbound budgets (swarm/inbound.py) from its config."""
+    from asyncrl.swarm.inbound import InboundLimits
+
+    return InboundLimits(max_inflight_bytes=cfg.inbound_bytes,
+                         max_inflight_bytes_per_peer=max(2 * cfg.max_batch_bytes, cfg.inbound_bytes // 8),
+                         max_streams_per_peer=cfg.max_streams_per_peer, min_read_bps=cfg.min_upload_bps,
+                         workers=cfg.handler_threads, queue=cfg.handler_queue)
 
 
 def _saved_peers(path: Path) -> dict[str, list[str]]:

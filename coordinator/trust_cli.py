@@ -38,3 +38,19 @@ def add_trust_arguments(parser: argparse.ArgumentParser, d) -> None:
                    help=f"lowest audit probability for trusted keys (default {d.audit_floor}; 1 = audit all)")
     g.add_argument("--audit-tolerance", dest="audit_tolerance", type=float,
                    help=f"nats/token a completion's logprobs may differ by (default {d.audit_tolerance})")
+    n = parser.add_argument_group("inbound budgets (docs/transport.md)")
+    n.add_argument("--timestamp-window-s", dest="timestamp_window_s", type=float,
+                   help=f"signed requests older/newer than this are refused (default {d.timestamp_window_s})")
+    n.add_argument("--inbound-bytes", dest="inbound_bytes", type=int,
+                   help=f"request bytes received or handled at once, all peers (default {d.inbound_bytes})")
+    n.add_argument("--max-streams-per-peer", dest="max_streams_per_peer", type=int,
+                   help=f"open inbound streams per peer id (default {d.max_streams_per_peer})")
+    n.add_argument("--min-upload-bps", dest="min_upload_bps", type=int,
+                   help=f"slowest accepted upload; slower streams are cut (default {d.min_upload_bps})")
+    n.add_argument("--handler-threads", dest="handler_threads", type=int, help=f"default {d.handler_threads}")
+    n.add_argument("--handler-queue", dest="handler_queue", type=int,
+                   help=f"requests waiting for a handler thread before RATE_LIMITED (default {d.handler_queue})")
+    n.add_argument("--serve-new-bps", dest="serve_new_bps", type=int,
+                   help=f"adapter bytes/s to peers without accepted batches, together (default {d.serve_new_bps})")
+    n.add_argument("--serve-new-peer-bps", dest="serve_new_peer_bps", type=int,
+                   help=f"...and to each of them (default {d.serve_new_peer_bps})")

@@ -39,6 +39,8 @@ class RejectCode(str, enum.Enum):
     HASH_MISMATCH = "HASH_MISMATCH"  # content does not match its signed sha256
     WRONG_RUN = "WRONG_RUN"  # message belongs to another run_id
     INTERNAL = "INTERNAL"  # our fault, not the sender's
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"  # a request's bytes did not arrive in time (slow-drip stream cut)
+    UNSCORABLE = "UNSCORABLE"  # our reward check could not finish (timeout/crash): not the sender's fault
 
     def __str__(self) -> str:
         return self.value

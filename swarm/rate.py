@@ -7,6 +7,10 @@
   reserve(cost, now)  pacing: always spend, running into debt, and return how long the caller must wait
                       before sending; concurrent senders queue up behind each other, so the long-run
                       rate never exceeds `rate` (a volunteer's `--max-upload-mbps`, swarm/serving.py)
+  reserve(cost, now, max_wait)
+                      bounded pacing: as above, but only if the wait would be at most `max_wait`;
+                      otherwise spend nothing and return None (the caller refuses: swarm/serving.py
+                      ServeBudget for peers without a track record)
 
 `rate <= 0` means unlimited. No lock: each bucket is used from one thread or one event loop, or under
 its owner's lock. Times are seconds on a monotonic clock.
@@ -41,13 +45,17 @@ class TokenBucket:
             return True
         return False
 
-    def reserve(self, cost: float, now: float | None = None) -> float:
-        """Spend `cost` tokens, into debt if need be; seconds to wait before using them."""
+    def reserve(self, cost: float, now: float | None = None, max_wait: float | None = None) -> float | None:
+        """Spend `cost` tokens, into debt if need be; seconds to wait before using them. With `max_wait`,
+        a wait longer than that spends nothing and returns None."""
         if self.rate <= 0:
             return 0.0
         self._refill(now)
+        wait = max(0.0, (cost - self.tokens) / self.rate)
+        if max_wait is not None and wait > max_wait:
+            return None
         self.tokens -= cost
-        return max(0.0, -self.tokens / self.rate)
+        return wait
 
     async def pace(self, cost: float) -> None:
         """Reserve `cost` and sleep until it may be used (on the caller's event loop)."""

@@ -6,6 +6,11 @@ Owned by the swarm transport (docs/transport.md). Components:
                  coroutines on the P2P loop can wait for a chunk that is on its way.
   AdapterServer  serves whatever a *source* holds: the coordinator's Publisher (complete versions) or
                  an AdapterStore. Counts what it sent (the benchmark's coordinator uplink figure).
+  ServeBudget    the byte rate this peer serves at, favouring peers vouched for (the coordinator: keys
+                 with accepted batches): they share `trusted_bps` and are paced; everyone else shares
+                 `stranger_bps`, at most `stranger_peer_bps` each, and a request that would wait more
+                 than `max_wait_s` is refused (RATE_LIMITED: the fetcher asks another peer or retries).
+                 Minting peer ids buys a chunk drainer nothing beyond the strangers' shared rate.
 
 Wire format (unchanged from the walking skeleton, so old fetchers still work)::
 
@@ -157,31 +162,105 @@ def _resolve(fut: asyncio.Future, data: bytes) -> None:
         fut.set_result(data)
 
 
+class ServeBudget:
+    """Byte-rate admission for manifest/chunk answers (see the module docstring). Loop-thread only.
+    Rates <= 0 mean unlimited (TokenBucket)."""
+
+    MAX_STRANGERS = 4096  # per-stranger buckets kept (LRU); an evicted one starts with a fresh burst
+
+    def __init__(self, *, trusted: Callable[[str], bool], trusted_bps: float = 0, stranger_bps: float,
+                 stranger_peer_bps: float, max_wait_s: float = 2.0, burst_bytes: int = 4 << 20):
+        self.trusted = trusted
+        self.max_wait_s = max_wait_s
+        self._burst = lambda rate: max(float(burst_bytes), rate)  # a whole chunk always fits
+        self.trusted_bucket = TokenBucket(trusted_bps, self._burst(trusted_bps))
+        self.stranger_bucket = TokenBucket(stranger_bps, self._burst(stranger_bps))
+        self.stranger_peer_bps = stranger_peer_bps
+        self._strangers: OrderedDict[str, TokenBucket] = OrderedDict()
+        self.refused = 0
+        self.bytes_trusted = 0
+        self.bytes_strangers = 0
+
+    async def charge(self, peer: str, nbytes: int) -> None:
+        """Wait until `nbytes` may go to `peer`, or raise RATE_LIMITED."""
+        if self.trusted(peer):
+            self.bytes_trusted += nbytes
+            await self.trusted_bucket.pace(nbytes)
+            return
+        own = self._strangers.get(peer)
+        if own is None:
+            own = self._strangers[peer] = TokenBucket(self.stranger_peer_bps, self._burst(self.stranger_peer_bps))
+            while len(self._strangers) > self.MAX_STRANGERS:
+                self._strangers.popitem(last=False)
+        else:
+            self._strangers.move_to_end(peer)
+        wait_own = own.reserve(nbytes, max_wait=self.max_wait_s)
+        if wait_own is None:
+            self.refused += 1
+            raise ProtocolError(RejectCode.RATE_LIMITED, "serving rate for new peers reached; retry later")
+        wait_all = self.stranger_bucket.reserve(nbytes, max_wait=self.max_wait_s)
+        if wait_all is None:
+            own.tokens += nbytes  # give back what this refused request had spent
+            self.refused += 1
+            raise ProtocolError(RejectCode.RATE_LIMITED, "serving rate for new peers reached; retry later")
+        self.bytes_strangers += nbytes
+        delay = max(wait_own, wait_all)
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    def status(self) -> dict:
+        return {"refused": self.refused, "bytes_trusted": self.bytes_trusted, "bytes_strangers": self.bytes_strangers,
+                "strangers_tracked": len(self._strangers)}
+
+
 @dataclass
 class ServerStats:
     manifests_sent: int = 0
     chunks_sent: int = 0
     bytes_sent: int = 0
     refused: int = 0
-    bytes_by_version: dict[int, int] = field(default_factory=lambda: defaultdict(int))
-    chunks_by_peer: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    bytes_by_version: dict[int, int] = field(default_factory=lambda: defaultdict(int))  # newest KEEP_VERSIONS
+
+    KEEP_VERSIONS = 256
+
+    def sent(self, version: int, nbytes: int) -> None:
+        self.bytes_sent += nbytes
+        self.bytes_by_version[version] += nbytes
+        if len(self.bytes_by_version) > self.KEEP_VERSIONS:  # bounded over a run of any length
+            del self.bytes_by_version[min(self.bytes_by_version)]
 
 
 class AdapterServer:
     """Registers `manifest` and `chunk` handlers for `run_id` on `node` and serves `source`."""
 
-    def __init__(self, node, run_id: str, source, *, upload_bps: float = 0, max_wait_s: float = MAX_WAIT_S):
+    def __init__(self, node, run_id: str, source, *, upload_bps: float = 0, max_wait_s: float = MAX_WAIT_S,
+                 admit: Callable[[str], None] | None = None, budget: ServeBudget | None = None):
+        """`admit(peer)`: runs before a request is read (the coordinator refuses banned peers);
+        `budget`: byte-rate admission per peer (the coordinator's; volunteers pace with `upload_bps`)."""
         self.node = node
         self.run_id = run_id
         self.source = source
         self.bucket = TokenBucket(upload_bps, burst=upload_bps) if upload_bps and upload_bps > 0 else None  # 1 s of credit
         self.max_wait_s = max_wait_s
+        self.admit = admit
+        self.budget = budget
         self.stats = ServerStats()
 
     def start(self) -> "AdapterServer":
-        self.node.serve(stream_name(self.run_id, streams.MANIFEST), self._manifest, max_request_bytes=MAX_REQUEST_BYTES)
-        self.node.serve(stream_name(self.run_id, streams.CHUNK), self._chunk, max_request_bytes=MAX_REQUEST_BYTES)
+        for kind, handler in ((streams.MANIFEST, self._manifest), (streams.CHUNK, self._chunk)):
+            self.node.serve(stream_name(self.run_id, kind), handler, max_request_bytes=MAX_REQUEST_BYTES,
+                            admit=self.admit)
         return self
+
+    async def _spend(self, peer: str, nbytes: int) -> None:
+        if self.budget is not None:
+            try:
+                await self.budget.charge(peer, nbytes)
+            except ProtocolError:
+                self.stats.refused += 1
+                raise
+        if self.bucket is not None:
+            await self.bucket.pace(nbytes)
 
     # Seam for fault injection: a subclass may alter what goes out (tests' TamperingProvider does).
     def outgoing_chunk(self, version: int, index: int, data: bytes) -> bytes:
@@ -202,9 +281,9 @@ class AdapterServer:
         if held is None:
             self.stats.refused += 1
             raise ProtocolError(RejectCode.STALE_VERSION, "version not held")
+        await self._spend(peer, len(held.manifest_bytes))
         self.stats.manifests_sent += 1
-        self.stats.bytes_sent += len(held.manifest_bytes)
-        self.stats.bytes_by_version[version] += len(held.manifest_bytes)
+        self.stats.sent(version, len(held.manifest_bytes))
         return held.manifest_bytes
 
     async def _chunk(self, request: bytes, peer: str) -> bytes:
@@ -222,10 +301,7 @@ class AdapterServer:
         if data is None:
             self.stats.refused += 1
             raise ProtocolError(RejectCode.STALE_VERSION, "chunk not held")
-        if self.bucket is not None:
-            await self.bucket.pace(len(data))
+        await self._spend(peer, len(data))
         self.stats.chunks_sent += 1
-        self.stats.bytes_sent += len(data)
-        self.stats.bytes_by_version[version] += len(data)
-        self.stats.chunks_by_peer[peer] += 1
+        self.stats.sent(version, len(data))
         return self.outgoing_chunk(version, index, data)

@@ -30,6 +30,8 @@ from typing import Awaitable, Callable, Sequence
 
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 
+from .inbound import BoundedExecutor, InboundGate, InboundLimits, monotonic_ms
+
 logger = logging.getLogger(__name__)
 HEADER = 8
 DHT_STORE_TIMEOUT_S = 60.0
@@ -121,11 +123,16 @@ LINGER_S = 2.0
 
 async def _linger(reader: asyncio.StreamReader) -> None:
     """After refusing a request unread (banned peer, oversized frame): discard a bounded amount of what
-    the caller is still sending, so that closing does not reset the stream before it read our answer."""
+    the caller is still sending, for a bounded time, so that closing does not reset the stream before it
+    read our answer."""
     left = LINGER_BYTES
+    deadline = time.monotonic() + LINGER_S
     try:
         while left > 0:
-            chunk = await asyncio.wait_for(reader.read(min(65536, left)), LINGER_S)
+            wait = deadline - time.monotonic()
+            if wait <= 0:
+                return
+            chunk = await asyncio.wait_for(reader.read(min(65536, left)), wait)
             if not chunk:
                 return
             left -= len(chunk)
@@ -137,14 +144,73 @@ def _frame(data: bytes) -> bytes:
     return len(data).to_bytes(HEADER, "big") + data
 
 
+def _error_frame(exc: ProtocolError) -> bytes:
+    return bytes([STATUS_ERR]) + _frame(f"{exc.code.value}:{exc.detail[:1024]}".encode())
+
+
+def stream_handler(gate: InboundGate, name: str, handler: Handler, *, max_request_bytes: int,
+                   admit: Callable[[str], None] | None = None):
+    """The coroutine hivemind runs for each inbound stream of handler `name`: one framed request through
+    `gate` (swarm/inbound.py), one framed answer. Module-level so tests drive it with plain asyncio streams."""
+
+    async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = info.peer_id.to_base58()
+        started = monotonic_ms()
+        try:
+            with gate.stream(peer):  # RATE_LIMITED escapes: answered below without a slot
+                read = False
+                try:
+                    if admit is not None:
+                        admit(peer)
+                    header = await gate.read_exactly(reader, HEADER, gate.limits.header_timeout_s, "frame header")
+                    length = int.from_bytes(header, "big")
+                    if length > max_request_bytes:
+                        raise ProtocolError(RejectCode.PAYLOAD_TOO_LARGE, f"{length} bytes > cap {max_request_bytes}")
+                    with gate.reserve(peer, length):  # held while the handler works on the bytes
+                        request = await gate.read_exactly(reader, length, gate.limits.body_deadline_s(length),
+                                                          "request body")
+                        read = True
+                        response = await handler(request, peer)
+                        del request
+                    writer.write(bytes([STATUS_OK]) + _frame(response))
+                except ProtocolError as exc:
+                    writer.write(_error_frame(exc))
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    raise
+                except Exception as exc:  # a handler bug must not look like a network failure to the caller
+                    logger.exception("handler %s failed", name)
+                    writer.write(bytes([STATUS_ERR]) + _frame(f"INTERNAL:{exc.__class__.__name__}".encode()))
+                await asyncio.wait_for(writer.drain(), gate.limits.header_timeout_s)
+                gate.stats.record_latency(name, monotonic_ms() - started)
+                if not read:
+                    await _linger(reader)
+        except ProtocolError as exc:  # no stream slot: answer, do not read
+            try:
+                writer.write(_error_frame(exc))
+                await asyncio.wait_for(writer.drain(), 2.0)
+            except Exception:
+                pass
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError):
+            pass  # the caller went away (or stopped reading our answer); nothing to answer
+        finally:
+            writer.close()
+
+    return on_stream
+
+
 class SwarmNode:
     def __init__(self, *, initial_peers: Sequence[str] = (), host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
                  announce_maddrs: Sequence[str] | None = None, identity_path: str | None = None,
                  client_mode: bool = False, use_relay: bool = True, use_auto_relay: bool = False,
-                 trusted_relays: Sequence[str] = (), start_timeout: float = 30.0):
+                 trusted_relays: Sequence[str] = (), start_timeout: float = 30.0,
+                 inbound: InboundLimits | None = None):
         """`use_relay`: may reach/be reached through libp2p circuit relays; `use_auto_relay`: behind NAT,
-        look for a relay to become reachable; `trusted_relays`: relay multiaddrs to use (docs/transport.md)."""
+        look for a relay to become reachable; `trusted_relays`: relay multiaddrs to use (docs/transport.md);
+        `inbound`: what unasked-for requests may cost this node (swarm/inbound.py)."""
         import hivemind
+
+        self.inbound = InboundGate(inbound)
+        self.executor = BoundedExecutor(self.inbound.limits.workers, self.inbound.limits.queue, self.inbound.stats)
 
         kwargs = dict(host_maddrs=list(host_maddrs), client_mode=client_mode, use_relay=use_relay,
                       startup_timeout=start_timeout)
@@ -170,34 +236,15 @@ class SwarmNode:
     def serve(self, name: str, handler: Handler, *, max_request_bytes: int,
               admit: Callable[[str], None] | None = None) -> None:
         """`admit(peer_id)` (optional) runs before the request is read; its ProtocolError is the answer
-        (e.g. a banned or rate-limited peer: coordinator/access.py)."""
-
-        async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            read = False
-            try:
-                try:
-                    if admit is not None:
-                        admit(info.peer_id.to_base58())
-                    request = await _read_frame(reader, max_request_bytes)
-                    read = True
-                    response = await handler(request, info.peer_id.to_base58())
-                    writer.write(bytes([STATUS_OK]) + _frame(response))
-                except ProtocolError as exc:
-                    writer.write(bytes([STATUS_ERR]) + _frame(f"{exc.code.value}:{exc.detail}".encode()))
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    raise
-                except Exception as exc:  # a handler bug must not look like a network failure to the caller
-                    logger.exception("handler %s failed", name)
-                    writer.write(bytes([STATUS_ERR]) + _frame(f"INTERNAL:{exc.__class__.__name__}".encode()))
-                await writer.drain()
-                if not read:
-                    await _linger(reader)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                pass  # the caller went away; nothing to answer
-            finally:
-                writer.close()
-
+        (e.g. a banned or rate-limited peer: coordinator/access.py). Every stream passes this node's
+        InboundGate first (swarm/inbound.py: stream caps, read deadlines, the global byte budget)."""
+        on_stream = stream_handler(self.inbound, name, handler, max_request_bytes=max_request_bytes, admit=admit)
         self.loops.run(self.p2p.add_binary_stream_handler(name, on_stream), timeout=30)
+
+    async def run_blocking(self, fn, *args):
+        """Run `fn(*args)` on this node's bounded handler pool (await it on the node's loop); a full queue
+        is refused with RATE_LIMITED instead of growing without bound (swarm/inbound.py)."""
+        return await self.executor.run(fn, *args)
 
     async def acall(self, peer_id: str, name: str, request: bytes, *, max_response_bytes: int) -> bytes:
         from hivemind.p2p import PeerID
@@ -266,6 +313,7 @@ class SwarmNode:
         except Exception:
             pass
         self.loops.stop()
+        self.executor.shutdown()
         self.dht.shutdown()
         # The DHT process was forked after our SIGTERM handler was installed, so it inherited it and the
         # SIGTERM of hivemind's hard shutdown only sets a flag there; without this, interpreter exit would

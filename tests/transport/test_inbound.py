@@ -1,0 +1,192 @@
+"""Inbound budgets (swarm/inbound.py) driven through the real per-stream coroutine (swarm/transport.py
+`stream_handler`) with plain asyncio streams: deadlines, the global byte budget, stream caps, the
+bounded executor; and the adapter server's byte-rate admission (swarm/serving.py ServeBudget)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from asyncrl.protocol.errors import ProtocolError, RejectCode
+from asyncrl.swarm.inbound import BoundedExecutor, InboundGate, InboundLimits
+from asyncrl.swarm.serving import ServeBudget
+from asyncrl.swarm.transport import HEADER, STATUS_OK, stream_handler
+
+
+class PeerId:
+    def __init__(self, peer: str):
+        self.peer = peer
+
+    def to_base58(self) -> str:
+        return self.peer
+
+
+class PeerInfo:  # what hivemind hands a stream handler: `.peer_id.to_base58()`
+    def __init__(self, peer: str):
+        self.peer_id = PeerId(peer)
+
+
+class RecordingWriter:
+    def __init__(self):
+        self.data = bytearray()
+        self.closed = False
+
+    def write(self, b: bytes) -> None:
+        self.data += b
+
+    async def drain(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self.closed = True
+
+    def answer(self) -> tuple[int, bytes]:
+        status = self.data[0]
+        length = int.from_bytes(self.data[1:1 + HEADER], "big")
+        return status, bytes(self.data[1 + HEADER:1 + HEADER + length])
+
+    def code(self) -> str:
+        status, body = self.answer()
+        return "OK" if status == STATUS_OK else body.decode().partition(":")[0]
+
+
+def frame(body: bytes) -> bytes:
+    return len(body).to_bytes(HEADER, "big") + body
+
+
+async def echo(request: bytes, peer: str) -> bytes:
+    return request[:4]
+
+
+def test_a_request_is_answered_and_its_budget_returned():
+    gate = InboundGate(InboundLimits())
+    on_stream = stream_handler(gate, "t", echo, max_request_bytes=1 << 20)
+
+    async def go():
+        reader = asyncio.StreamReader()
+        reader.feed_data(frame(b"hello"))
+        reader.feed_eof()
+        writer = RecordingWriter()
+        await on_stream(PeerInfo("p"), reader, writer)
+        return writer
+
+    writer = asyncio.run(go())
+    assert writer.answer() == (STATUS_OK, b"hell") and writer.closed
+    assert gate.inflight_bytes == 0 and gate.streams == 0 and not gate.by_peer and not gate.bytes_by_peer
+    assert gate.stats.latency_ms["t"]
+
+
+def test_slow_header_and_slow_drip_body_are_cut():
+    limits = InboundLimits(header_timeout_s=0.2, min_read_bps=1_000_000)
+    gate = InboundGate(limits)
+    on_stream = stream_handler(gate, "t", echo, max_request_bytes=1 << 20)
+
+    async def go(first: bytes):
+        reader = asyncio.StreamReader()
+        reader.feed_data(first)  # and then nothing more: the sender stalls
+        writer = RecordingWriter()
+        t0 = time.monotonic()
+        await on_stream(PeerInfo("dripper"), reader, writer)
+        return writer, time.monotonic() - t0
+
+    writer, took = asyncio.run(go(b"\x00\x00"))  # half a header
+    assert writer.code() == RejectCode.DEADLINE_EXCEEDED.value
+    writer, took = asyncio.run(go((500_000).to_bytes(HEADER, "big") + b"x" * 1000))  # 0.7 s allowed for the body
+    assert writer.code() == RejectCode.DEADLINE_EXCEEDED.value
+    assert gate.inflight_bytes == 0 and gate.streams == 0  # the slow-drip stream's reservation is back
+    assert gate.stats.deadline_cut == 2
+    assert took < 5.0
+
+
+def test_global_byte_budget_and_per_peer_share_refuse_before_reading():
+    gate = InboundGate(InboundLimits(max_inflight_bytes=1000, max_inflight_bytes_per_peer=600))
+
+    async def go():
+        hold = asyncio.Event()
+
+        async def slow(request, peer):
+            await hold.wait()
+            return b"done"
+
+        on_stream = stream_handler(gate, "t", slow, max_request_bytes=10_000)
+
+        def start(peer, n):
+            reader = asyncio.StreamReader()
+            reader.feed_data(frame(b"x" * n))
+            reader.feed_eof()
+            writer = RecordingWriter()
+            return asyncio.ensure_future(on_stream(PeerInfo(peer), reader, writer)), writer
+
+        a, wa = start("a", 500)
+        await asyncio.sleep(0.05)
+        b, wb = start("a", 200)  # a's share (600) would be exceeded
+        c, wc = start("c", 400)  # fits the global budget (900 <= 1000)
+        await asyncio.sleep(0.05)
+        d, wd = start("d", 200)  # 1100 > 1000
+        await asyncio.gather(b, d)
+        assert gate.inflight_bytes == 900
+        hold.set()
+        await asyncio.gather(a, c)
+        return wa, wb, wc, wd
+
+    wa, wb, wc, wd = asyncio.run(go())
+    assert (wa.code(), wb.code(), wc.code(), wd.code()) == ("OK", "RATE_LIMITED", "OK", "RATE_LIMITED")
+    assert gate.inflight_bytes == 0 and gate.stats.bytes_refused == 2 and gate.stats.peak_inflight_bytes == 900
+
+
+def test_stream_caps_per_peer_and_in_total():
+    gate = InboundGate(InboundLimits(max_streams=3, max_streams_per_peer=2))
+    with gate.stream("a"), gate.stream("a"):
+        with pytest.raises(ProtocolError) as exc:
+            with gate.stream("a"):
+                pass
+        assert exc.value.code is RejectCode.RATE_LIMITED
+        with gate.stream("b"):
+            with pytest.raises(ProtocolError):  # 3 open in total: even a fresh peer id waits
+                with gate.stream("fresh"):
+                    pass
+    assert gate.streams == 0 and not gate.by_peer
+
+
+def test_bounded_executor_refuses_beyond_its_queue():
+    ex = BoundedExecutor(workers=1, queue=1)
+
+    async def go():
+        import threading
+
+        gate = threading.Event()
+        first = asyncio.ensure_future(ex.run(gate.wait, 5))
+        second = asyncio.ensure_future(ex.run(lambda: "queued"))
+        await asyncio.sleep(0.05)
+        with pytest.raises(ProtocolError) as exc:
+            await ex.run(lambda: "third")
+        assert exc.value.code is RejectCode.RATE_LIMITED
+        gate.set()
+        return await first, await second
+
+    assert asyncio.run(go()) == (True, "queued")
+    assert ex.pending == 0 and ex.stats.executor_refused == 1
+    ex.shutdown()
+
+
+def test_serve_budget_favours_trusted_peers_and_caps_strangers_together():
+    budget = ServeBudget(trusted=lambda p: p == "volunteer", stranger_bps=1_000_000, stranger_peer_bps=500_000,
+                         max_wait_s=0.5, burst_bytes=1_000_000)
+
+    async def go():
+        # 40 fresh peer ids asking for 100 kB each at once: 4 MB against a 1 MB burst + 1 MB/s
+        got = await asyncio.gather(*(budget.charge(f"sybil-{i}", 100_000) for i in range(40)), return_exceptions=True)
+        errors = [g for g in got if g is not None]
+        assert all(isinstance(e, ProtocolError) and e.code is RejectCode.RATE_LIMITED for e in errors)
+        refused = len(errors)
+        t0 = time.monotonic()
+        for _ in range(5):
+            await budget.charge("volunteer", 1_000_000)  # unlimited trusted share: never refused nor delayed
+        return refused, time.monotonic() - t0
+
+    refused, trusted_wait = asyncio.run(go())
+    assert refused == 25  # burst (10 requests) + at most 0.5 s of waiting (5): the shared rate held
+    assert budget.bytes_strangers == 1_500_000
+    assert trusted_wait < 0.1 and budget.bytes_trusted == 5_000_000
