@@ -93,7 +93,7 @@ PAGE = r"""<!doctype html>
     <h2>Recent adapter versions</h2>
     <table id="publishes">
       <thead><tr><th class="num">Version</th><th>Codec</th><th class="num">Payload</th><th class="num">Raw</th>
-        <th>Published</th></tr></thead>
+        <th class="num">Latency</th><th>Published</th></tr></thead>
       <tbody></tbody>
     </table>
   </section>
@@ -173,7 +173,12 @@ function render(d) {
   set("join", run.join_command || "(starting)"); set("uptime", dur(run.uptime_s));
   set("version", "v" + L.version);
   const pub = st.publishes[0];
-  set("published", pub ? "published " + ago(d.time - pub.t) : "not published yet");
+  const P = d.publisher || {};
+  let ptext = pub ? "v" + pub.version + " published " + ago(d.time - pub.t) : "not published yet";
+  if (P.in_flight_s != null && P.in_flight_s > 5) ptext += " · publishing v" + P.in_flight + " for " + dur(P.in_flight_s);
+  if (P.queue_depth) ptext += " · 1 waiting";
+  if (P.superseded) ptext += " · " + P.superseded + " superseded";
+  set("published", ptext);
   set("steps", L.steps);
   set("steps_sub", run.max_steps ? "of " + run.max_steps : "until stopped");
   const last = st.last_step;
@@ -220,11 +225,12 @@ function render(d) {
   }
   const pbody = $("publishes").tBodies[0];
   pbody.replaceChildren();
-  if (!st.publishes.length) emptyRow(pbody, 5, "nothing published yet");
+  if (!st.publishes.length) emptyRow(pbody, 6, "nothing published yet");
   for (const p of st.publishes.slice(0, 8)) {
     const tr = document.createElement("tr");
     cell(tr, "v" + p.version, "num"); cell(tr, p.codec);
     cell(tr, bytes(p.compressed_bytes), "num"); cell(tr, bytes(p.raw_bytes), "num");
+    cell(tr, p.latency_s != null ? p.latency_s.toFixed(2) + " s" : "–", "num");
     cell(tr, new Date(p.t * 1000).toLocaleTimeString() + " (" + ago(d.time - p.t) + ")");
     pbody.appendChild(tr);
   }

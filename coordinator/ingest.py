@@ -7,7 +7,7 @@ nothing) -> envelope size, signature, audience, timestamp window -> identity rat
 queue room (RATE_LIMITED, before the nonce is spent so the same bytes can be retried) -> nonce replay
 (NONCE_REUSED) -> batch id seen before (DUPLICATE_BATCH; the ack is repeated so a client whose ack was
 lost can delete its spooled copy — also when its retry reused the nonce) -> strict decode + shape/range
-validation -> run id -> sampling params as leased -> adapter version not from the future -> every lease
+validation -> run id -> sampling params as leased -> adapter version one we published (not ahead, not a superseded one: FUTURE_VERSION) -> every lease
 known and held by the signer -> rewards recomputed from the completions (REWARD_MISMATCH) -> generation
 audit (coordinator/audit.py: LOGPROB_MISMATCH now, or deferred to the learner's forward pass).
 Only rejects raised after the signature verified are charged to the signer (client stats, strikes in
@@ -66,13 +66,16 @@ class AcceptedBatch:
 class Ingest:
     def __init__(self, *, identity_public_key: bytes, run_id: str, board: TaskBoard, tokenizer, vocab_size: int,
                  current_version, max_batch_bytes: int, window_s: float, queue_groups: int = 256, journal=None,
-                 access=None, auditor=None, sampling: messages.SamplingParams | None = None):
+                 access=None, auditor=None, sampling: messages.SamplingParams | None = None, is_published=None):
         self.audience = identity_public_key
         self.run_id = run_id
         self.board = board
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.current_version = current_version  # callable -> int
+        self.current_version = current_version  # callable -> int (the learner's version)
+        # callable(version) -> bool: could a volunteer hold it? (coordinator/publisher.py: not ahead of the
+        # newest published one, not one superseded before publication). Default: not ahead of current.
+        self.is_published = is_published or (lambda v: v <= self.current_version())
         self.max_batch_bytes = max_batch_bytes
         self.window_s = window_s
         self.replay = envelope.ReplayGuard(window_s=window_s)
@@ -198,8 +201,8 @@ class Ingest:
             raise ProtocolError(RejectCode.WRONG_RUN, f"batch is for run {batch.run_id!r}")
         if self.sampling is not None and batch.sampling != self.sampling:
             raise ProtocolError(RejectCode.MALFORMED, "sampling parameters differ from the leased ones")
-        if batch.adapter_version > self.current_version():
-            raise ProtocolError(RejectCode.FUTURE_VERSION, f"version {batch.adapter_version} not published yet")
+        if not self.is_published(batch.adapter_version):
+            raise ProtocolError(RejectCode.FUTURE_VERSION, f"version {batch.adapter_version} was not published")
         leases = []
         for group in batch.groups:
             try:

@@ -10,6 +10,8 @@ Two pieces, one job each:
 
 Metric names (all prefixed `asyncrl_`): learner_steps_total, adapter_version,
 adapter_versions_published_total, adapter_publish_bytes_total{kind}, adapter_last_publish_timestamp_seconds,
+adapter_published_version, adapter_versions_superseded_total, adapter_publish_queue_depth,
+adapter_publish_latency_seconds, adapter_publish_in_flight_seconds,
 learner_reward_mean, learner_reward_moving_avg, learner_loss, learner_clip_fraction, learner_step_seconds,
 learner_staleness_versions (histogram over trained groups), learner_groups_trained_total,
 learner_groups_dropped_stale_total, learner_queued_groups, learner_tokens_per_second, swarm_batches_accepted_total,
@@ -38,8 +40,8 @@ STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
 
 
 class RunStats:
-    """Counters and curves built from RunLog events. Thread-safe (events arrive on the learner thread,
-    snapshots are taken on the dashboard's)."""
+    """Counters and curves built from RunLog events. Thread-safe (events arrive on the learner and the
+    publisher threads, snapshots are taken on the dashboard's)."""
 
     def __init__(self, *, group_size: int, history: int = 20000, clock: Callable[[], float] = time.time):
         self.group_size = group_size
@@ -48,6 +50,7 @@ class RunStats:
         self.steps: deque[dict] = deque(maxlen=history)
         self.publishes: deque[dict] = deque(maxlen=50)
         self.versions_published = 0
+        self.versions_superseded = 0  # never published: a newer version replaced them on the publisher thread
         self.publish_bytes = 0
         self.publish_raw_bytes = 0
         self.groups_trained = 0
@@ -80,7 +83,8 @@ class RunStats:
                 self.publish_raw_bytes += fields.get("raw_bytes", 0)
                 self.publishes.append({"version": fields.get("version"), "t": now, "codec": fields.get("codec"),
                                        "compressed_bytes": fields.get("compressed_bytes"),
-                                       "raw_bytes": fields.get("raw_bytes")})
+                                       "raw_bytes": fields.get("raw_bytes"), "latency_s": fields.get("latency_s")})
+                self.versions_superseded = fields.get("superseded_total", self.versions_superseded)
             elif event == "batch":
                 n = fields.get("groups", 0) * self.group_size
                 self.rollouts_by_client[fields.get("client", "?")] += n
@@ -110,6 +114,7 @@ class RunStats:
                 "groups_trained": self.groups_trained,
                 "groups_dropped_stale": self.groups_dropped_stale,
                 "versions_published": self.versions_published,
+                "versions_superseded": self.versions_superseded,
                 "publish_bytes": self.publish_bytes,
                 "publish_raw_bytes": self.publish_raw_bytes,
                 "publishes": list(self.publishes)[-20:][::-1],
@@ -162,7 +167,7 @@ class SwarmCollector:
         info.add_metric([run["run_id"], run["model"], run["fingerprint"]], 1)
         yield info
         yield counter("learner_steps", "Optimizer steps taken.", learner["steps"])
-        yield gauge("adapter_version", "Adapter version currently published.", learner["version"])
+        yield gauge("adapter_version", "The learner's adapter version (the newest exported).", learner["version"])
         yield counter("adapter_versions_published", "Adapter versions published.", stats["versions_published"])
         pub = CounterMetricFamily("asyncrl_adapter_publish_bytes", "Adapter bytes published (compressed payload, "
                                   "raw tensors).", labels=["kind"])
@@ -172,6 +177,17 @@ class SwarmCollector:
         publishes = stats.get("publishes") or []
         yield gauge("adapter_last_publish_timestamp_seconds", "Unix time of the latest publish.",
                     publishes[0]["t"] if publishes else None)
+        publisher = snap.get("publisher") or {}
+        yield gauge("adapter_published_version", "Newest adapter version volunteers can fetch.",
+                    publisher.get("published_version"))
+        yield counter("adapter_versions_superseded", "Versions replaced by a newer one before they were published.",
+                      publisher.get("superseded", stats.get("versions_superseded", 0)))
+        yield gauge("adapter_publish_queue_depth", "Exported versions waiting for the publisher thread (0 or 1).",
+                    publisher.get("queue_depth"))
+        yield gauge("adapter_publish_latency_seconds", "Export to pointer stored, latest publish.",
+                    publisher.get("last_latency_s"))
+        yield gauge("adapter_publish_in_flight_seconds", "How long the publish in progress has taken so far.",
+                    publisher.get("in_flight_s"))
         yield gauge("learner_reward_mean", "Mean reward of the groups in the latest step.", last.get("reward"))
         yield gauge("learner_reward_moving_avg", "Moving average of the per-step mean reward.",
                     stats.get("reward_moving_avg"))

@@ -1,8 +1,14 @@
-"""Publisher: adapter tensors -> codec -> signed manifest -> signed pointer in the DHT.
+"""Publisher: adapter tensors -> codec -> signed manifest -> signed pointer in the DHT, on its own thread.
 
-Per version it keeps the signed manifest and the payload chunks in memory (the last `keep` versions)
-and serves them over P2P (asyncrl.swarm.serving.AdapterServer, wired by the service). The DHT holds only
-the small signed pointer: {run, version, manifest sha256, keyframe version}.
+Two pieces, one job each:
+  Publisher      encode + sign one version. Per version it keeps the signed manifest and the payload
+                 chunks in memory (the last `keep` versions and the chain from the newest keyframe) and
+                 serves them over P2P (asyncrl.swarm.serving.AdapterServer, wired by the service).
+  PublishWorker  the publisher thread: a newest-wins mailbox between the learner and the Publisher, the
+                 DHT pointer store and its refresh. Its docstring holds the back-pressure invariant and
+                 the order of the steps that make a version visible (lineage and audit copy first).
+
+The DHT holds only the small signed pointer: {run, version, manifest sha256, keyframe version}.
 """
 
 from __future__ import annotations
@@ -11,7 +17,8 @@ import hashlib
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from asyncrl.protocol import codec, envelope, messages
 from asyncrl.protocol.identity import Identity
@@ -29,6 +36,7 @@ class Published:
     raw_bytes: int
     codec: str
     published_at: float
+    parent_version: int | None = None
 
 
 class Publisher:
@@ -62,7 +70,8 @@ class Publisher:
             run_id=self.run_id, version=version, manifest_sha256=hashlib.sha256(manifest_env).digest(),
             keyframe_version=keyframe_version, published_at=now)
         pointer_env = envelope.seal(self.identity, "adapter_pointer", messages.encode(pointer))
-        pub = Published(version, manifest_env, chunks, pointer_env, len(enc.payload), enc.raw_bytes, enc.codec, now)
+        pub = Published(version, manifest_env, chunks, pointer_env, len(enc.payload), enc.raw_bytes, enc.codec, now,
+                        enc.parent_version)
         with self._lock:
             self._versions[version] = pub
             # Late joiners need the chain from the latest keyframe; keep that plus `keep` recent versions.
@@ -75,3 +84,235 @@ class Publisher:
     def get(self, version: int) -> Published | None:
         with self._lock:
             return self._versions.get(version)
+
+
+POINTER_REFRESH_S = 60.0
+"""Re-store the newest pointer when it has not been stored for this long (its DHT record expires)."""
+SKIPPED_MEMORY = 4096
+"""Superseded (never published) versions remembered for `is_published`; older claims are stale anyway."""
+CLOSE_WAIT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Export:
+    """One version as the learner thread hands it over: the LoRA tensors in the publish dtype, already
+    copied off the live parameters (so the learner may step on while this is encoded)."""
+
+    version: int
+    specs: tuple
+    blobs: dict[str, bytes]
+    learner_steps: int   # learner.steps when exported (the auditor reuses the learner's pass while equal)
+    export_s: float      # what the export cost the learner thread
+    exported_at: float = field(default_factory=time.monotonic)
+
+
+def export_version(learner, dtype: str) -> Export:
+    """Learner thread: the live LoRA weights copied to CPU in the publish dtype — the only part of
+    publishing the learner waits for (a memcpy-sized cost; `export_s` in the publish event)."""
+    from asyncrl.models.lora import export_lora
+
+    t0 = time.perf_counter()
+    specs, blobs = export_lora(learner.model, dtype)
+    return Export(learner.version, tuple(specs), blobs, learner.steps, export_s=time.perf_counter() - t0)
+
+
+class PublishWorker:
+    """The publisher thread: everything after the export, off the learner's critical path.
+
+    The learner thread exports (copies the LoRA weights to CPU in the publish dtype) and calls `submit`,
+    which only swaps a reference under a lock. This thread encodes, signs, makes the chunks servable and
+    stores the pointer in the DHT (which can take up to DHT_STORE_TIMEOUT_S).
+
+    Back-pressure invariant (the queue is here): a one-slot mailbox, newest wins. At most one export
+    waits and at most one is being published; `submit` never blocks, and a submit that finds the slot
+    full replaces the waiting export, which is *superseded* (counted, never published). So memory is
+    bounded (two raw adapters in flight plus the Publisher's retained versions), the learner never waits
+    on encode, sign or the network, and a stalled DHT costs only freshness: volunteers keep the last
+    published version until the store returns, then get the newest one.
+
+    Per version, in this order (every step before anything a volunteer can see):
+      1. `before_visible(export)`: the hub remembers it for audits and records it in lineage.json
+         (checkpoint.record_published: a resumed run numbers its versions above it);
+      2. `Publisher.publish`: encode (a delta against the last *published* version: a superseded one
+         never reaches the encoder), sign manifest and pointer; chunks servable;
+      3. `published_version` advances (ingest now accepts batches claiming it);
+      4. the pointer goes to the DHT (a failure is retried by the refresh below);
+      5. `on_published(record)`: the metrics event.
+    A superseded version goes through none of these: no lineage entry, no audit copy, no encoder state,
+    and `is_published` is False for it (ingest refuses batches claiming it: FUTURE_VERSION). A version
+    whose step 1 or 2 fails is skipped the same way (counted in `errors`).
+
+    This thread is also the pointer's only writer: it re-stores the newest pointer when none was stored
+    for `refresh_s`, so a refresh can never put an older pointer back over a newer one.
+
+    `close()` abandons a waiting export (the final checkpoint holds those weights; a resumed run
+    publishes above them) and waits a bounded time for the one in flight.
+    """
+
+    def __init__(self, publisher: Publisher, pointer, *, before_visible: Callable[[Export], None] | None = None,
+                 on_published: Callable[[dict], None] | None = None, published_floor: int = -1,
+                 refresh_s: float = POINTER_REFRESH_S, out=print):
+        self.publisher = publisher
+        self.pointer = pointer  # .store(sealed) / .refresh(sealed): asyncrl.swarm.records.PointerRecord
+        self.before_visible = before_visible
+        self.on_published = on_published
+        self.refresh_s = refresh_s
+        self.out = out
+        self._cond = threading.Condition()
+        self._pending: Export | None = None
+        self._in_flight: Export | None = None
+        self._in_flight_since: float | None = None
+        self._closing = False
+        self._skipped: set[int] = set()
+        # Versions up to the floor may be held by volunteers already (a resumed run's pre-crash lineage).
+        self.published_version = published_floor
+        self.published = self.superseded = self.errors = self.abandoned = 0
+        self.last_latency_s: float | None = None
+        self._last_store = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, name="publisher", daemon=True)
+
+    def start(self) -> PublishWorker:
+        self._thread.start()
+        return self
+
+    # ---- learner side ------------------------------------------------------------------------
+    def submit(self, export: Export) -> None:
+        """Hand a version over; never blocks. A version still waiting is superseded by this one."""
+        with self._cond:
+            if self._closing:
+                raise RuntimeError("publisher is closed")
+            if self._pending is not None:
+                self._skip_locked(self._pending.version)
+                self.superseded += 1
+            self._pending = export
+            self._cond.notify_all()
+
+    # ---- anyone ------------------------------------------------------------------------------
+    def is_published(self, version: int) -> bool:
+        """Could a volunteer hold `version`? (Not ahead of the newest published, not a skipped one.)"""
+        with self._cond:
+            return version <= self.published_version and version not in self._skipped
+
+    def wait_published(self, version: int, timeout: float | None = None) -> bool:
+        """Block until `version` (or a newer one) is published; False if it was skipped (superseded, or
+        its publish failed), on timeout or on close."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self.published_version < version and version not in self._skipped and not self._closing:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+            return self.published_version >= version
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until nothing waits and nothing is in flight (tests, benchmarks)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending is not None or self._in_flight is not None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+    def stats(self) -> dict:
+        with self._cond:
+            busy = self._in_flight_since
+            return {"published_version": self.published_version, "published": self.published,
+                    "superseded": self.superseded, "errors": self.errors, "abandoned": self.abandoned,
+                    "queue_depth": int(self._pending is not None),
+                    "in_flight": self._in_flight.version if self._in_flight is not None else None,
+                    "in_flight_s": time.monotonic() - busy if busy is not None else None,
+                    "last_latency_s": self.last_latency_s}
+
+    def close(self, timeout: float = CLOSE_WAIT_S) -> bool:
+        """Stop: abandon the waiting export, wait up to `timeout` for the one in flight. True if it ended."""
+        with self._cond:
+            self._closing = True
+            if self._pending is not None:
+                self.abandoned += 1
+                self._pending = None
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    # ---- the publisher thread ----------------------------------------------------------------
+    def _skip_locked(self, version: int) -> None:
+        self._skipped.add(version)
+        if len(self._skipped) > SKIPPED_MEMORY:
+            self._skipped = set(sorted(self._skipped)[-SKIPPED_MEMORY // 2:])
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closing:
+                    wait = self._last_store + self.refresh_s - time.monotonic()
+                    if wait <= 0:
+                        break
+                    self._cond.wait(wait)
+                if self._closing:
+                    return
+                export, self._pending = self._pending, None
+                self._in_flight, self._in_flight_since = export, time.monotonic()
+            try:
+                if export is None:
+                    self._refresh()
+                else:
+                    self._publish(export)
+            finally:
+                with self._cond:
+                    self._in_flight = self._in_flight_since = None
+                    self._cond.notify_all()
+
+    def _refresh(self) -> None:
+        self._last_store = time.monotonic()
+        latest = self.publisher.latest
+        if latest is None:
+            return
+        try:
+            self.pointer.refresh(latest.pointer_bytes)  # re-sealed: a fresh timestamp bounds its expiry
+        except Exception as exc:  # keep refreshing; the DHT may be briefly unhappy
+            self.out(f"warning: pointer refresh failed: {exc}")
+
+    def _publish(self, export: Export) -> None:
+        from asyncrl.swarm.transport import TransportError
+
+        t0 = time.monotonic()
+        try:
+            if self.before_visible is not None:
+                self.before_visible(export)
+            pub = self.publisher.publish(export.version, export.specs, export.blobs)
+        except Exception as exc:  # e.g. lineage.json not writable: never announce what a resume could reuse
+            with self._cond:
+                self._skip_locked(export.version)
+                self.errors += 1
+                self._cond.notify_all()
+            self.out(f"warning: v{export.version} not published: {exc.__class__.__name__}: {exc}")
+            return
+        t1 = time.monotonic()
+        with self._cond:
+            self.published_version = export.version
+            self.published += 1
+            self._cond.notify_all()
+        stored = True
+        try:
+            self.pointer.store(pub.pointer_bytes)
+        except TransportError as exc:  # the refresh stores it again
+            stored = False
+            self.out(f"warning: pointer for v{export.version} not stored: {exc}")
+        t2 = self._last_store = time.monotonic()
+        with self._cond:
+            self.last_latency_s = t2 - export.exported_at
+            record = {"version": pub.version, "codec": pub.codec, "compressed_bytes": pub.compressed_bytes,
+                      "raw_bytes": pub.raw_bytes, "parent_version": pub.parent_version, "stored": stored,
+                      "latency_s": t2 - export.exported_at, "queue_wait_s": t0 - export.exported_at,
+                      "export_s": export.export_s, "encode_s": t1 - t0, "store_s": t2 - t1,
+                      "superseded_total": self.superseded, "queue_depth": int(self._pending is not None)}
+        if self.on_published is not None:
+            try:
+                self.on_published(record)
+            except Exception as exc:  # e.g. the run log closed at shutdown
+                if not self._closing:
+                    self.out(f"warning: publish event for v{export.version} lost: {exc}")

@@ -2,7 +2,8 @@
 
 Components (each has one job; none references this hub):
   SwarmNode   (asyncrl.swarm.transport)  hivemind DHT + P2P streams; serves the handlers below
-  Publisher   adapter -> codec -> signed manifest + chunks; signed pointer stored in the DHT
+  Publisher   adapter -> codec -> signed manifest + chunks; signed pointer stored in the DHT, all on the
+              publisher thread (PublishWorker, newest wins): the learner only exports and hands over
   TaskBoard   prompt leases, expiry and re-leasing
   LeaseDesk   (coordinator/leasing.py) who gets which prompts, with back-pressure on in-flight work
   Ingest      verify + decode + re-score signed rollout batches; bounded queue to the learner
@@ -18,7 +19,8 @@ Components (each has one job; none references this hub):
 P2P handlers (stream names are scoped by run id): `manifest` (version -> sealed manifest),
 `chunk` (version, index -> bytes), `lease` (sealed LeaseRequest -> LeaseGrant), `submit`
 (sealed RolloutBatch -> Ack). Handlers run on the P2P loop thread and push blocking work
-(verification, tokenizer) to a thread pool; the learner runs on the main thread.
+(verification, tokenizer) to a thread pool; the learner runs on the main thread and never waits on
+the network (coordinator/publisher.py PublishWorker holds the back-pressure invariant).
 
     asyncrl-coordinator run --model tiny --max-steps 150
 """
@@ -39,8 +41,6 @@ from asyncrl.swarm.streams import stream_name
 
 from .config import CoordinatorConfig
 from .leasing import MAX_LEASE_REQUEST_BYTES
-
-POINTER_REFRESH_S = 60.0
 
 
 def resolve_model(model: str) -> tuple[str, str, str]:
@@ -114,7 +114,7 @@ class Coordinator:
         from . import checkpoint
         from .ingest import Ingest
         from .journal import IngestJournal
-        from .publisher import Publisher
+        from .publisher import Publisher, PublishWorker
         from .taskboard import TaskBoard
 
         path, self.base_model, self.base_revision = resolve_model(cfg.model)
@@ -140,7 +140,9 @@ class Coordinator:
         self.auditor = Auditor.from_config(cfg, self.learner)  # logprob audit; shares the learner's base weights
         self.ingest = Ingest(identity_public_key=self.identity.public_key, run_id=cfg.run_id, board=self.board,
                              tokenizer=self.learner.tokenizer, vocab_size=self.learner.vocab_size,
-                             current_version=lambda: self.learner.version, max_batch_bytes=cfg.max_batch_bytes,
+                             current_version=lambda: self.learner.version,
+                             is_published=lambda v: self.publish_worker.is_published(v),
+                             max_batch_bytes=cfg.max_batch_bytes,
                              window_s=cfg.timestamp_window_s, journal=self.journal, access=self.access,
                              auditor=self.auditor, sampling=messages.SamplingParams(
                                  temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens))
@@ -154,7 +156,8 @@ class Coordinator:
 
         self.lease_desk = LeaseDesk(LeasePolicy.from_config(cfg), audience=self.identity.public_key, board=self.board,
                                     ingest=self.ingest, access=self.access, tokenizer=self.learner.tokenizer,
-                                    current_version=lambda: self.learner.version, sync_round=self.sync_round)
+                                    current_version=lambda: self.publish_worker.published_version,
+                                    sync_round=self.sync_round)
         self.publisher = Publisher(self.identity, run_id=cfg.run_id, base_model=self.base_model,
                                    base_revision=self.base_revision, lora=self.lora,
                                    keyframe_every=cfg.keyframe_every, chunk_bytes=cfg.chunk_bytes)
@@ -176,9 +179,15 @@ class Coordinator:
                                 every_s=cfg.trust_state_every_s, out=self.out)
         self.trust.load()  # replay.bin / access.bin: nonces, batch ids and bans outlive a restart
         self.trust.start()
+        # Everything up to learner.version - 1 may be held by volunteers (a resumed run's lineage).
+        self.publish_worker = PublishWorker(self.publisher, self.pointer, before_visible=self._before_visible,
+                                            on_published=lambda rec: self.log.write("publish", **rec),
+                                            published_floor=self.learner.version - 1, out=self.out).start()
         self._serve_handlers()
         self._publish()
-        threading.Thread(target=self._refresh_pointer, name="pointer-refresh", daemon=True).start()
+        # The first version is servable before the join address is announced (the DHT store may lag).
+        if not self.publish_worker.wait_published(self.learner.version):
+            raise RuntimeError(f"could not publish the first adapter version v{self.learner.version} (see above)")
         addrs = [a for a in (cfg.announce or self.node.visible_maddrs())]
         addrs = [a if "/p2p/" in a else f"{a}/p2p/{self.node.peer_id}" for a in addrs]
         self.join_address = addrs[0]
@@ -219,31 +228,19 @@ class Coordinator:
 
     # ---- publishing -------------------------------------------------------------------------
     def _publish(self) -> None:
-        from asyncrl.models.lora import export_lora
+        """Learner thread: copy the live LoRA weights to CPU in the publish dtype and hand them to the
+        publisher thread (never blocks; a version still waiting there is superseded)."""
+        from .publisher import export_version
 
+        self.publish_worker.submit(export_version(self.learner, self.cfg.publish_dtype))
+
+    def _before_visible(self, export) -> None:
+        """Publisher thread, before a version can reach any volunteer: the audit copy, then lineage.json
+        (a resumed run numbers its versions above it)."""
         from .checkpoint import record_published
 
-        specs, blobs = export_lora(self.learner.model, self.cfg.publish_dtype)
-        self.auditor.remember_published(self.learner.version, specs, blobs, self.learner.steps)
-        record_published(self.run_dir, self.learner.version)  # before any volunteer can see it: --resume goes above
-        pub = self.publisher.publish(self.learner.version, specs, blobs)
-        from asyncrl.swarm.transport import TransportError
-
-        try:
-            self.pointer.store(pub.pointer_bytes)
-        except TransportError as exc:  # the refresh thread stores it again; never stall the learner loop
-            self.out(f"warning: pointer not stored: {exc}")
-        self.log.write("publish", version=pub.version, codec=pub.codec, compressed_bytes=pub.compressed_bytes,
-                       raw_bytes=pub.raw_bytes)
-
-    def _refresh_pointer(self) -> None:
-        while not self.stop.wait(POINTER_REFRESH_S):
-            latest = self.publisher.latest
-            if latest is not None:
-                try:
-                    self.pointer.refresh(latest.pointer_bytes)  # re-sealed: a fresh timestamp bounds its expiry
-                except Exception as exc:  # keep refreshing; the DHT may be briefly unhappy
-                    self.out(f"warning: pointer refresh failed: {exc}")
+        self.auditor.remember_published(export.version, export.specs, export.blobs, export.learner_steps)
+        record_published(self.run_dir, export.version)
 
     # ---- learner loop -----------------------------------------------------------------------
     def run(self) -> dict:
@@ -310,7 +307,8 @@ class Coordinator:
         summary = {
             "run_id": self.cfg.run_id,
             "trainer_steps": self.learner.steps,
-            "adapter_versions_published": self.learner.version + 1,
+            "adapter_versions_published": self.publish_worker.published,  # by this process (superseded: not)
+            "publisher": self.publish_worker.stats(),
             "batches_accepted": len(log),
             "batches_by_client": clients,
             "rejected_by_client": rejected,
@@ -345,15 +343,21 @@ class Coordinator:
             queued = self.ingest.queued_groups
         identity = {"fingerprint": self.identity.fingerprint, "peer_id": self.identity.peer_id,
                     "join_address": getattr(self, "join_address", None), "model": self.base_model}
+        worker = getattr(self, "publish_worker", None)
         return self.telemetry.snapshot_part(version=self.learner.version, steps=self.learner.steps, clients=clients,
                                             leases=self.board.counts(), queued_groups=queued, identity=identity,
-                                            presence=self.presence())
+                                            presence=self.presence(),
+                                            publisher=worker.stats() if worker is not None else None)
 
     def shutdown(self) -> None:
         self.stop.set()
         self.telemetry.close()  # dashboard down, final reward.png, trackers closed; never raises
         if getattr(self, "trust", None) is not None:
             self.trust.stop()  # last trust.json / replay.bin
+        # A waiting version is abandoned (the final checkpoint holds it; --resume publishes above it).
+        worker = getattr(self, "publish_worker", None)
+        if worker is not None and not worker.close():
+            self.out("warning: the publisher thread is still storing a pointer; shutting the DHT down under it")
         try:
             self.node.shutdown()
         finally:

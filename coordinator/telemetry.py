@@ -66,7 +66,7 @@ class Telemetry:
         return url
 
     def snapshot_part(self, *, version: int, steps: int, clients: list, leases: dict, queued_groups: int,
-                      identity: dict, presence: list[dict] = ()) -> dict:
+                      identity: dict, presence: list[dict] = (), publisher: dict | None = None) -> dict:
         """The read-only status dict (the schema of /api/status). No key material ever enters it."""
         now = time.time()
         stats = self.stats.snapshot()
@@ -85,6 +85,8 @@ class Telemetry:
             "learner": {"steps": steps, "version": version, "max_staleness": cfg.max_staleness,
                         "queued_groups": queued_groups, "groups_per_step": cfg.groups_per_step},
             "leases": dict(leases),
+            # PublishWorker.stats(): published_version, superseded, queue_depth, in_flight(_s), last_latency_s
+            "publisher": dict(publisher or {}),
             "volunteers": rows,
             "stats": stats,
         }

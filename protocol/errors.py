@@ -30,7 +30,7 @@ class RejectCode(str, enum.Enum):
     NONCE_REUSED = "NONCE_REUSED"  # replay of an envelope already accepted
     DUPLICATE_BATCH = "DUPLICATE_BATCH"  # payload id already ingested
     STALE_VERSION = "STALE_VERSION"  # generated with an adapter older than max_staleness allows
-    FUTURE_VERSION = "FUTURE_VERSION"  # claims an adapter version not yet published
+    FUTURE_VERSION = "FUTURE_VERSION"  # claims an adapter version not (yet) published, e.g. a superseded one
     REWARD_MISMATCH = "REWARD_MISMATCH"  # re-scored reward differs from the claimed one
     LOGPROB_MISMATCH = "LOGPROB_MISMATCH"  # spot-checked logprobs differ from the claimed ones
     NOT_ALLOWED = "NOT_ALLOWED"  # signer not on the allow list / not the expected signer

@@ -228,8 +228,10 @@ def encode_delta(
 
 class AdapterEncoder:
     """Stateful publisher-side encoder: a keyframe for the first version, whenever the tensor
-    layout changes, and for every version divisible by `keyframe_every`; otherwise a delta
-    against the previously encoded version (which is all it keeps)."""
+    layout changes, for every version divisible by `keyframe_every`, and whenever `keyframe_every`
+    versions have passed since the last keyframe (the publisher may skip versions, so a multiple
+    can be missed; chains stay at most `keyframe_every` long); otherwise a delta against the
+    previously *encoded* version (which is all it keeps)."""
 
     def __init__(self, keyframe_every: int = 10, level: int = DEFAULT_LEVEL) -> None:
         if keyframe_every < 1:
@@ -251,7 +253,8 @@ class AdapterEncoder:
             raise ValueError(f"version {version} does not follow {self._prev[0]}")
         snapshot = {name: bytes(tensors[name]) for name, _, _ in infos}
         prev = self._prev
-        if prev is None or prev[1] != layout or version % self.keyframe_every == 0:
+        if (prev is None or prev[1] != layout or version % self.keyframe_every == 0
+                or version - self.last_keyframe_version >= self.keyframe_every):
             payload = encode_keyframe(specs, snapshot, level=self.level)
             enc = EncodedAdapter(KEYFRAME_CODEC, None, payload, raw_size(specs))
             self.last_keyframe_version = version

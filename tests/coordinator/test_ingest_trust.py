@@ -7,7 +7,6 @@ signature verified, and the replay state survives a restart.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from asyncrl import tasks
@@ -17,6 +16,8 @@ from asyncrl.coordinator.taskboard import TaskBoard
 from asyncrl.models import tinymodel
 from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.identity import Identity
+
+from . import rollouts
 
 COORD = Identity.from_seed(bytes(range(32)))
 ALICE = Identity.from_seed(bytes(range(1, 33)))
@@ -44,17 +45,7 @@ def make_ingest(tokenizer, access=None):
 
 
 def sealed_batch(ingest, tokenizer, who=ALICE) -> bytes:
-    lease = ingest.board.lease(who.public_key, 1)[0]
-    ids = tokenizer(lease.prompt.text)["input_ids"]
-    comps = []
-    for letters in ("aaaa", "abab"):
-        toks = tokenizer(letters)["input_ids"]
-        comps.append(messages.Completion(np.asarray(toks, "<i4").tobytes(), np.full(len(toks), -1.0, "<f4").tobytes(),
-                                         tasks.score(lease.prompt.reward, letters, lease.prompt.answer), "length"))
-    group = messages.RolloutGroup(lease.lease_id, lease.prompt.prompt_id, np.asarray(ids, "<i4").tobytes(), tuple(comps))
-    batch = messages.RolloutBatch(run_id="r", adapter_version=0, client_name="alice", sampling=SAMPLING,
-                                  groups=(group,), generated_at=0.0)
-    return envelope.seal(who, "rollout_batch", messages.encode(batch), audience=COORD.public_key)
+    return rollouts.sealed_batch(ingest.board, tokenizer, who, audience=COORD.public_key, sampling=SAMPLING)
 
 
 def test_rate_limited_batch_is_retried_with_the_same_bytes(tokenizer):

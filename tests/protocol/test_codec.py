@@ -280,6 +280,14 @@ def test_adapter_encoder_cadence_and_chain_decoding():
         AdapterEncoder(keyframe_every=0)
 
 
+def test_adapter_encoder_keyframe_when_the_multiple_was_skipped():
+    # The publisher skips superseded versions; a chain never grows past keyframe_every versions.
+    specs, versions = lora_like(3, n_a=160, n_b=160, steps=12)
+    enc = AdapterEncoder(keyframe_every=5)
+    got = [(v, enc.encode(v, specs, versions[v]).parent_version) for v in (0, 1, 4, 6, 7, 11)]
+    assert got == [(0, None), (1, 0), (4, 1), (6, None), (7, 6), (11, None)]
+
+
 def test_adapter_encoder_keyframe_every_one_never_deltas():
     specs, versions = lora_like(2, n_a=160, n_b=160, steps=3)
     enc = AdapterEncoder(keyframe_every=1)
