@@ -1,7 +1,14 @@
-"""DutyCycle: a volunteer that lends only part of its GPU (`asyncrl-client join --duty-cycle F`).
+"""Pacing the volunteer's lease loop: DutyCycle (lend part of a GPU) and IdleBackoff (no work to lease).
 
-Owned by the staleness/benchmark work (issue 5, part B); the volunteer hub (client/worker.py) calls
-`rest_after(busy_s, stop)` once per batch.
+DutyCycle (`asyncrl-client join --duty-cycle F`) is owned by the staleness/benchmark work (issue 5,
+part B); the volunteer hub (client/worker.py) calls `rest_after(busy_s, stop)` once per batch.
+
+IdleBackoff (issue 16, docs/scale.md): after an empty lease grant the hub waits `after_empty(retry)`
+seconds. The coordinator's `retry_after_s` decides (its waiting line puts volunteers with a record
+first and spreads the rest out, coordinator/leasing.py), jittered by +-20 % so that volunteers told the
+same thing do not come back in lock-step. A coordinator that names no retry (0: e.g. `--sync`, whose
+rounds open at each new version) gets the hub's own pause, doubled after each further empty grant up to
+MAX_IDLE_WAIT_S. Any grant with leases resets it.
 
 Honest accounting: `busy_s` is the measured wall time of the batch's work (generate + score + seal +
 spool; not the upload, which is network time, not GPU time). After it the volunteer rests
@@ -12,8 +19,15 @@ wait on the volunteer's stop event (Ctrl-C does not wait it out). Totals land in
 
 from __future__ import annotations
 
+import random
 import threading
 import time
+
+MAX_IDLE_WAIT_S = 30.0
+"""Longest the volunteer's own back-off waits between empty grants (when the coordinator names none)."""
+MAX_RETRY_WAIT_S = 300.0
+"""A coordinator's retry_after_s is honoured up to this (the wire allows an hour; a volunteer stays responsive)."""
+JITTER = 0.2
 
 
 class DutyCycle:
@@ -46,3 +60,24 @@ class DutyCycle:
         """busy / (busy + rest) so far (1.0 before any rest)."""
         total = self.busy_s + self.rested_s
         return self.busy_s / total if total > 0 else 1.0
+
+
+class IdleBackoff:
+    def __init__(self, pause_s: float, *, rng: random.Random | None = None):
+        self.pause_s = pause_s
+        self.rng = rng or random.Random()
+        self.empty = 0  # consecutive empty grants
+        self.requests = 0  # all empty grants so far (status.json: idle lease requests)
+
+    def after_empty(self, retry_after_s: float) -> float:
+        """Seconds to wait after an empty grant whose retry_after_s was `retry_after_s`."""
+        self.empty += 1
+        self.requests += 1
+        if retry_after_s > 0:
+            base = min(MAX_RETRY_WAIT_S, retry_after_s)
+        else:
+            base = min(MAX_IDLE_WAIT_S, self.pause_s * 2 ** (self.empty - 1))
+        return base * self.rng.uniform(1 - JITTER, 1 + JITTER)
+
+    def reset(self) -> None:
+        self.empty = 0

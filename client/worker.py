@@ -82,6 +82,7 @@ class VolunteerStatus:
     started_at: float = field(default_factory=time.time)
     busy_s: float = 0.0    # measured batch work time (--duty-cycle accounting)
     rested_s: float = 0.0  # time rested for the duty cycle
+    idle_lease_requests: int = 0  # lease requests answered with no work (client/pacing.py IdleBackoff)
 
 
 class BaseModelMismatch(RuntimeError):
@@ -139,10 +140,11 @@ class Volunteer:
             snapshot=lambda: {"adapter_version": getattr(self, "serving_version", -1),
                               "throughput": self.status.rollouts / max(1.0, time.time() - self.status.started_at)},
         ).start()
-        from .pacing import DutyCycle
+        from .pacing import DutyCycle, IdleBackoff
         from .version_hold import HeldAdapters
 
         self.pacer = DutyCycle(self.cfg.duty_cycle)
+        self.idle = IdleBackoff(self.cfg.poll_s)
         self.hold = HeldAdapters(self.sync, self.cfg.hold_version) if self.cfg.hold_version else None
 
     def _discover_run_id(self, timeout: float) -> str:
@@ -211,13 +213,19 @@ class Volunteer:
                                        f"{self.outbox.max_bytes}); pausing generation until uploads succeed")
                     self.flush()
                     continue
-                leases = self._lease()
+                leases, retry_after = self._lease()
                 if not leases:
-                    # Refused because a newer adapter exists (--sync grants only at the current version):
-                    # look again soon, it is being fetched; otherwise the usual pause.
-                    behind = self.hold is None and (self.latest_version or 0) > self.serving_version
-                    time.sleep(min(self.cfg.poll_s, 0.05) if behind else self.cfg.poll_s)
+                    if retry_after > 0:  # the coordinator's waiting line (client/pacing.py IdleBackoff)
+                        self.stop.wait(self.idle.after_empty(retry_after))
+                    elif self.hold is None and (self.latest_version or 0) > self.serving_version:
+                        # --sync grants only at the current version: look again soon, it is being fetched
+                        self.idle.requests += 1
+                        time.sleep(min(self.cfg.poll_s, 0.05))
+                    else:
+                        self.stop.wait(self.idle.after_empty(0.0))
+                    self.status.idle_lease_requests = self.idle.requests
                     continue
+                self.idle.reset()
                 busy_from = time.perf_counter()
                 self._work(leases)
                 busy = time.perf_counter() - busy_from
@@ -227,7 +235,10 @@ class Volunteer:
                 backoff = 1.0
             except ProtocolError as exc:
                 self.display.event("warning", f"warning: {exc.code.value}: {exc.detail}", code=exc.code.value)
-                time.sleep(self.cfg.poll_s)
+                if exc.code is RejectCode.RATE_LIMITED:  # back off like an empty grant, never hammer
+                    self.stop.wait(self.idle.after_empty(0.0))
+                else:
+                    time.sleep(self.cfg.poll_s)
             except OutboxFull as exc:
                 self.display.event("warning", str(exc))
                 self.stop.wait(backoff)
@@ -266,7 +277,7 @@ class Volunteer:
             self.out(f"[{self.name}] adapter v{adapter.version} loaded ({adapter.manifest.codec}, "
                      f"{adapter.manifest.compressed_bytes} bytes)")
 
-    def _lease(self) -> list[messages.TaskLease]:
+    def _lease(self) -> tuple[list[messages.TaskLease], float]:
         req = messages.LeaseRequest(run_id=self.run_id, max_prompts=self.cfg.prompts_per_batch,
                                     adapter_version=self.serving_version, client_name=self.name)
         sealed = envelope.seal(self.identity, "lease_request", messages.encode(req), audience=self.coordinator_key)
@@ -274,7 +285,7 @@ class Volunteer:
                              max_response_bytes=4 << 20)
         grant = messages.decode(raw, messages.LeaseGrant, max_bytes=4 << 20)
         self.latest_version = grant.current_version
-        return list(grant.leases)
+        return list(grant.leases), grant.retry_after_s
 
     def _work(self, leases: list[messages.TaskLease]) -> None:
         from asyncrl import tasks

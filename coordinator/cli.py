@@ -43,7 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--prompts-per-lease", type=int, default=d.prompts_per_lease)
     run.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     run.add_argument("--lease-timeout-s", type=float, default=d.lease_timeout_s)
-    run.add_argument("--max-inflight-groups", type=int, default=d.max_inflight_groups)
+    run.add_argument("--max-inflight-groups", type=int, default=d.max_inflight_groups,
+                     help="back-pressure bound on leased + queued groups (0 = 2 x --groups-per-step)")
+    run.add_argument("--new-key-share", type=float, default=d.new_key_share,
+                     help="share of in-flight groups keys without an accepted batch may hold together")
+    run.add_argument("--idle-retry-s", type=float, default=d.idle_retry_s,
+                     help="idle volunteers ask again after this x (1 + place in the waiting line)...")
+    run.add_argument("--max-idle-retry-s", type=float, default=d.max_idle_retry_s, help="...at most this long")
     run.add_argument("--publish-every", type=int, default=d.publish_every)
     run.add_argument("--publish-dtype", default=d.publish_dtype, choices=["bf16", "fp16", "fp32"])
     run.add_argument("--host", default=d.host, help="IP to listen on (0.0.0.0 for all interfaces)")

@@ -107,12 +107,22 @@ class CoordinatorConfig:
     """Sampling temperature volunteers use (the learner scores under the same temperature)."""
     lease_timeout_s: float = 60.0
     """A lease not returned within this many seconds expires and its prompt goes to someone else."""
-    max_inflight_groups: int = 16
+    max_inflight_groups: int = 0
     """Back-pressure: stop granting leases while leased-but-unreturned plus queued-but-untrained groups
     reach this. Keeps volunteers from racing ahead of the learner (whose backlog would only go stale);
-    ~2x groups_per_step keeps the learner fed without building a queue."""
+    0 = 2 x groups_per_step, which keeps the learner fed without building a queue (and grows with it
+    when a big swarm gets a bigger step; docs/scale.md)."""
     max_leases_per_client: int = 8
     """Most outstanding leases one volunteer may hold."""
+    new_key_share: float = 0.25
+    """Fair share (coordinator/leasing.py): keys without an accepted batch may hold this share of the
+    in-flight groups together while volunteers with a record are active (a crowd of fresh keys that
+    lease and never deliver cannot starve them); volunteers with a record split all of it."""
+    idle_retry_s: float = 2.0
+    """An idle volunteer (empty grant) is told to ask again after idle_retry_s x (1 + its place in the
+    waiting line, record holders first)..."""
+    max_idle_retry_s: float = 30.0
+    """...at most this long (stretched so the whole line asks at most 20 times a second)."""
 
     # network
     host: str = "127.0.0.1"
@@ -214,7 +224,11 @@ class CoordinatorConfig:
             (1 <= self.max_new_tokens <= 32768, "max_new_tokens must be in [1, 32768]"),
             (self.temperature > 0, "temperature must be > 0"),
             (self.lease_timeout_s > 0, "lease_timeout_s must be > 0"),
-            (self.max_inflight_groups >= self.groups_per_step, "max_inflight_groups must be >= groups_per_step"),
+            (self.max_inflight_groups == 0 or self.max_inflight_groups >= self.groups_per_step,
+             "max_inflight_groups must be 0 (auto) or >= groups_per_step"),
+            (0.0 <= self.new_key_share <= 1.0, "new_key_share must be in [0, 1]"),
+            (0 < self.idle_retry_s <= self.max_idle_retry_s <= 3600,
+             "need 0 < idle_retry_s <= max_idle_retry_s <= 3600"),
             (self.max_leases_per_client >= self.prompts_per_lease, "max_leases_per_client must be >= prompts_per_lease"),
             (0 <= self.port <= 65535, "port must be in [0, 65535]"),
             (0 <= self.dashboard_port <= 65535, "dashboard_port must be in [0, 65535]"),
@@ -242,6 +256,11 @@ class CoordinatorConfig:
             if not ok:
                 raise ConfigError(message)
         return self
+
+    @property
+    def inflight_groups(self) -> int:
+        """max_inflight_groups resolved (0 = 2 x groups_per_step)."""
+        return self.max_inflight_groups or 2 * self.groups_per_step
 
     def to_json(self) -> str:
         def default(o: Any):

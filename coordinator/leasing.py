@@ -1,4 +1,5 @@
-"""LeaseDesk: answers a volunteer's sealed LeaseRequest with a LeaseGrant — which prompts, how many.
+"""LeaseDesk: answers a volunteer's sealed LeaseRequest with a LeaseGrant — which prompts, how many, and
+when an idle volunteer should ask again.
 
 Beside the TaskBoard (which owns the prompts and their lease books), the desk owns the *policy* of
 granting: who may ask (access control: banned keys refused before the signature check, per-key rate
@@ -7,6 +8,19 @@ learner + groups leased and not yet returned never exceed `max_inflight_groups`,
 race ahead into work that will be stale when it arrives (docs/decisions.md). Under `--sync` the
 SyncRound hands out one grant per live volunteer per version instead.
 
+Fair share (`FairShare`, docs/scale.md), so that hundreds of volunteers share the in-flight room:
+  * *proven* volunteers (an accepted batch since their last strike: `AccessControl.valid_streak`) split
+    all of it: each may hold at most ceil(max_inflight / proven volunteers active) groups, so one fast
+    volunteer cannot take every lease;
+  * keys without that record may hold `new_key_share` of it *together* (each an equal part) while any
+    proven volunteer is active — a crowd of fresh keys that lease and never deliver can pin at most
+    that share until their leases expire; with nobody proven yet (a run's start) they share all of it;
+  * "active" = asked within `active_window_s`.
+An empty grant carries `retry_after_s`: volunteers that found no room wait in a line (proven first,
+then by when they started waiting); the one at place p is told `idle_retry_s * (1 + p)`, at most
+`max_idle_retry_s` (stretched so that the whole line asks at most `max_idle_polls_per_s` times a second).
+The front of the line asks again soon and gets the next free room; the back costs almost nothing.
+
 No network here: `handle(request_bytes, peer)` takes the bytes a P2P handler read and returns the
 bytes to answer, so tests drive it in-process with sealed envelopes (tests/coordinator/test_leasing.py).
 Unattributable garbage (no valid signature) is charged to the transport peer.
@@ -14,6 +28,10 @@ Unattributable garbage (no valid signature) is charged to the transport peer.
 
 from __future__ import annotations
 
+import math
+import threading
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,6 +42,8 @@ from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.tasks.sources import encode_prompt
 
 MAX_LEASE_REQUEST_BYTES = 64 * 1024
+COUNT_EVERY_S = 1.0
+"""The active and waiting volunteers are re-counted at most this often (O(volunteers) each time)."""
 
 
 @dataclass(frozen=True)
@@ -33,21 +53,115 @@ class LeasePolicy:
     prompts_per_lease: int
     max_inflight_groups: int
     window_s: float
+    new_key_share: float = 0.25
+    active_window_s: float = 60.0
+    idle_retry_s: float = 2.0
+    max_idle_retry_s: float = 30.0
+    max_idle_polls_per_s: float = 20.0
 
     @classmethod
     def from_config(cls, cfg) -> "LeasePolicy":
         return cls(run_id=cfg.run_id, group_size=cfg.group_size, prompts_per_lease=cfg.prompts_per_lease,
-                   max_inflight_groups=cfg.max_inflight_groups, window_s=cfg.timestamp_window_s)
+                   max_inflight_groups=cfg.inflight_groups, window_s=cfg.timestamp_window_s,
+                   new_key_share=cfg.new_key_share, active_window_s=cfg.lease_timeout_s,
+                   idle_retry_s=cfg.idle_retry_s, max_idle_retry_s=cfg.max_idle_retry_s)
+
+
+class FairShare:
+    """Per-volunteer caps on in-flight groups and the waiting line of idle volunteers (module docstring).
+
+    `allowance(key, proven, held, room)` = how many groups `key` may be granted now; `idle(key, proven)`
+    = seconds it should wait after an empty grant; `granted(key)` takes it out of the line. Counts of
+    active volunteers and places in the line are refreshed at most every COUNT_EVERY_S, so a request
+    costs O(1) however many volunteers there are. Thread-safe."""
+
+    def __init__(self, policy: LeasePolicy, *, proven: Callable[[bytes], bool], clock=time.monotonic):
+        self.policy = policy
+        self.proven = proven
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._active: OrderedDict[bytes, float] = OrderedDict()  # key -> last request (oldest first)
+        self._waiting: OrderedDict[bytes, float] = OrderedDict()  # key -> last empty grant (first waiter first)
+        self._counted_at = -math.inf
+        self.active_proven = self.active_new = 0
+        self._places: dict[bytes, int] = {}
+        self.counters = {"granted": 0, "empty": 0}
+
+    def seen(self, key: bytes) -> None:
+        with self._lock:
+            now = self._clock()
+            self._active[key] = now
+            self._active.move_to_end(key)
+            self._recount_locked(now)
+
+    def allowance(self, key: bytes, *, proven: bool, held: dict[bytes, int], room: int) -> int:
+        """Groups `key` may be granted now: its fair share minus what it holds, within `room`."""
+        p = self.policy
+        m = p.max_inflight_groups
+        if room <= 0:
+            return 0
+        if proven:
+            cap = math.ceil(m / max(1, self.active_proven))
+            return max(0, min(room, cap - held.get(key, 0)))
+        pool = m if self.active_proven == 0 else max(1, math.floor(p.new_key_share * m))
+        cap = max(1, pool // max(1, self.active_new))
+        held_new = sum(n for k, n in held.items() if k != key and not self.proven(k)) + held.get(key, 0)
+        return max(0, min(room, cap - held.get(key, 0), pool - held_new))
+
+    def granted(self, key: bytes) -> None:
+        with self._lock:
+            self.counters["granted"] += 1
+            self._waiting.pop(key, None)
+
+    def idle(self, key: bytes, *, proven: bool) -> float:
+        """An empty grant for `key`: put it in the line; how long it should wait before asking again."""
+        p = self.policy
+        with self._lock:
+            now = self._clock()
+            self.counters["empty"] += 1
+            if key not in self._waiting:
+                self._waiting[key] = now
+                self._places[key] = len(self._waiting) - 1 + (0 if proven else self.active_proven)
+            else:
+                self._waiting[key] = now  # stays at its place: order is by when it started waiting
+            place = self._places.get(key, len(self._waiting) - 1)
+            cap = max(p.max_idle_retry_s, len(self._waiting) / p.max_idle_polls_per_s)
+            return round(min(cap, p.idle_retry_s * (1 + place)), 3)
+
+    def _recount_locked(self, now: float) -> None:
+        if now - self._counted_at < COUNT_EVERY_S:
+            return
+        self._counted_at = now
+        p = self.policy
+        while self._active and now - next(iter(self._active.values())) > p.active_window_s:
+            self._active.popitem(last=False)
+        # a waiter that did not come back within its longest possible wait has gone away
+        horizon = max(p.max_idle_retry_s, len(self._waiting) / p.max_idle_polls_per_s) * 2 + COUNT_EVERY_S
+        for key in [k for k, t in self._waiting.items() if now - t > horizon]:
+            del self._waiting[key]
+        proven = {k for k in self._active if self.proven(k)}
+        self.active_proven, self.active_new = len(proven), len(self._active) - len(proven)
+        line = [k for k in self._waiting if k in proven] + [k for k in self._waiting if k not in proven]
+        self._places = {k: i for i, k in enumerate(line)}
+
+    def status(self) -> dict:
+        with self._lock:
+            return {"active_proven": self.active_proven, "active_new": self.active_new,
+                    "waiting": len(self._waiting), **self.counters}
 
 
 class LeaseDesk:
     def __init__(self, policy: LeasePolicy, *, audience: bytes, board, ingest, access, tokenizer,
-                 current_version: Callable[[], int], sync_round=None):
+                 current_version: Callable[[], int], sync_round=None, clock=time.monotonic):
         self.policy = policy
         self.audience = audience  # the coordinator's public key: requests sealed for anyone else are refused
         self.board, self.ingest, self.access, self.sync_round = board, ingest, access, sync_round
         self.tokenizer = tokenizer
         self.current_version = current_version
+        self.fair = FairShare(policy, proven=self._proven, clock=clock)
+
+    def _proven(self, key: bytes) -> bool:
+        return self.access.valid_streak(key) > 0
 
     def handle(self, request: bytes, peer: str = "") -> bytes:
         """Sealed LeaseRequest bytes -> encoded LeaseGrant; raises ProtocolError with a stable code."""
@@ -73,10 +187,19 @@ class LeaseDesk:
             raise ProtocolError(RejectCode.WRONG_RUN, f"this coordinator runs {p.run_id!r}")
         version = self.current_version()
         want = min(req.max_prompts, p.prompts_per_lease)
+        retry_after = 0.0
         if self.sync_round is not None:  # one grant per live volunteer per version, no back-pressure needed
             grants = self.sync_round.lease(opened.signer, req.adapter_version, version, want)
         else:
-            grants = self.board.lease(opened.signer, max(0, min(want, self.room())))
+            key = opened.signer
+            self.fair.seen(key)
+            proven = self._proven(key)
+            allowed = self.fair.allowance(key, proven=proven, held=self.board.held_by_client(), room=self.room())
+            grants = self.board.lease(key, max(0, min(want, allowed)))
+            if grants:
+                self.fair.granted(key)
+            else:
+                retry_after = self.fair.idle(key, proven=proven)
         sampling = self.ingest.sampling  # ingest refuses batches claiming anything else
         leases = tuple(messages.TaskLease(
             lease_id=g.lease_id, prompt_id=g.prompt.prompt_id, prompt=g.prompt.text,
@@ -84,7 +207,8 @@ class LeaseDesk:
             reward=g.prompt.reward, group_size=p.group_size, sampling=sampling, expires_at=g.expires_at)
             for g in grants)
         self.ingest.note_client(opened.signer, req.client_name)
-        return messages.encode(messages.LeaseGrant(run_id=p.run_id, leases=leases, current_version=version))
+        return messages.encode(messages.LeaseGrant(run_id=p.run_id, leases=leases, current_version=version,
+                                                   retry_after_s=retry_after))
 
 
 def int32_bytes(ids) -> bytes:

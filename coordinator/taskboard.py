@@ -17,7 +17,7 @@ import itertools
 import secrets
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -42,6 +42,7 @@ class TaskBoard:
         self._source = prompts
         self._requeued: deque[Prompt] = deque()
         self._outstanding: dict[str, Lease] = {}
+        self._held: Counter[bytes] = Counter()  # client -> outstanding leases (kept in step with _outstanding)
         self._lock = threading.Lock()
         self._clock = clock
         self.lease_timeout_s = lease_timeout_s
@@ -58,8 +59,7 @@ class TaskBoard:
     def lease(self, client: bytes, max_prompts: int) -> list[Lease]:
         with self._lock:
             self._expire_locked()
-            held = sum(1 for l in self._outstanding.values() if l.client == client)
-            n = max(0, min(max_prompts, self.max_leases_per_client - held))
+            n = max(0, min(max_prompts, self.max_leases_per_client - self._held[client]))
             out = []
             for _ in range(n):
                 if self._requeued:
@@ -73,6 +73,7 @@ class TaskBoard:
                 lease = Lease(f"{next(self._seq)}-{secrets.token_hex(4)}", prompt, client,
                               self._clock() + self.lease_timeout_s)
                 self._outstanding[lease.lease_id] = lease
+                self._held[client] += 1
                 out.append(lease)
             self.leased += len(out)
             return out
@@ -86,7 +87,7 @@ class TaskBoard:
                 raise LeaseRejected(f"lease {lease_id} is unknown or expired (its prompt was re-leased)")
             if lease.client != client:
                 raise LeaseRejected(f"lease {lease_id} belongs to another volunteer")
-            del self._outstanding[lease_id]
+            self._pop_locked(lease_id)
             self.completed += 1
             return lease
 
@@ -107,7 +108,7 @@ class TaskBoard:
         with self._lock:
             gone = [lid for lid in lease_ids if lid in self._outstanding and self._outstanding[lid].client == client]
             for lid in gone:
-                self._requeued.append(self._outstanding.pop(lid).prompt)
+                self._requeued.append(self._pop_locked(lid).prompt)
             self.expired += len(gone)
             return len(gone)
 
@@ -132,7 +133,7 @@ class TaskBoard:
         with self._lock:
             for lid, lease in self._outstanding.items():
                 if lease.prompt.prompt_id == prompt_id:
-                    del self._outstanding[lid]
+                    self._pop_locked(lid)
                     self.completed += 1
                     return
             for i, prompt in enumerate(self._requeued):
@@ -172,6 +173,7 @@ class TaskBoard:
             self._outstanding = {d["lease_id"]: Lease(d["lease_id"], Prompt(**d["prompt"]), bytes.fromhex(d["client"]),
                                                       max(float(d["expires_at"]), fresh))
                                  for d in state["outstanding"]}
+            self._held = Counter(l.client for l in self._outstanding.values())
             self._requeued = deque(Prompt(**d) for d in state["requeued"])
             for k in _COUNTERS:
                 setattr(self, k, int(state["counters"].get(k, 0)))
@@ -186,9 +188,22 @@ class TaskBoard:
         now = self._clock()
         dead = [lid for lid, l in self._outstanding.items() if l.expires_at <= now]
         for lid in dead:
-            self._requeued.append(self._outstanding.pop(lid).prompt)
+            self._requeued.append(self._pop_locked(lid).prompt)
         self.expired += len(dead)
         return len(dead)
+
+    def _pop_locked(self, lease_id: str) -> Lease:
+        lease = self._outstanding.pop(lease_id)
+        self._held[lease.client] -= 1
+        if self._held[lease.client] <= 0:
+            del self._held[lease.client]
+        return lease
+
+    def held_by_client(self) -> dict[bytes, int]:
+        """Outstanding leases per volunteer key (after expiring what is due): the lease desk's fair share."""
+        with self._lock:
+            self._expire_locked()
+            return dict(self._held)
 
     def counts(self) -> dict[str, int]:
         with self._lock:

@@ -28,7 +28,7 @@ import numpy as np
 from . import limits
 from .errors import ProtocolError, RejectCode
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 SHA256_BYTES = 32
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -152,10 +152,15 @@ class LeaseRequest(_Message):
     client_name: str
 
 
+MAX_RETRY_AFTER_S = 3600.0
+
+
 class LeaseGrant(_Message):
     run_id: str
     leases: Annotated[tuple[TaskLease, ...], msgspec.Meta(max_length=limits.MAX_GROUPS_PER_BATCH)]
     current_version: int
+    # schema 2: with no leases, when to ask again (coordinator/leasing.py FairShare); 0 = the client's own pause
+    retry_after_s: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_RETRY_AFTER_S)] = 0.0
 
 
 class RolloutBatch(_Message):

@@ -62,3 +62,18 @@ def test_stop_interrupts_the_rest():
 def test_fraction_must_be_in_0_1(bad):
     with pytest.raises(ValueError):
         DutyCycle(bad)
+
+
+def test_idle_backoff_follows_the_coordinators_retry_with_jitter_and_backs_off_alone_otherwise():
+    import random
+
+    from asyncrl.client.pacing import MAX_IDLE_WAIT_S, IdleBackoff
+
+    idle = IdleBackoff(0.5, rng=random.Random(1))
+    waits = [idle.after_empty(10.0) for _ in range(50)]
+    assert all(8.0 <= w <= 12.0 for w in waits) and len({round(w, 3) for w in waits}) > 10  # +-20 %, not lock-step
+    idle.reset()
+    own = [idle.after_empty(0.0) for _ in range(12)]  # no retry named: double from the pause, capped
+    assert own[0] <= 0.6 and own[3] >= 0.5 * 8 * 0.8 and max(own) <= MAX_IDLE_WAIT_S * 1.2
+    idle.reset()
+    assert idle.after_empty(0.0) <= 0.6 and idle.requests == 63

@@ -101,3 +101,114 @@ def test_a_banned_key_is_refused_before_anything_is_leased(tokenizer):
         desk.handle(request(mallory, coordinator, 2), peer="p")
     assert exc.value.code == RejectCode.NOT_ALLOWED
     assert board.counts()["outstanding"] == 0
+
+
+# ---- fair share and the waiting line (FairShare) ---------------------------------------------------
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def fair_desk(tokenizer, *, inflight=16, per_lease=4, clock=None):
+    coordinator = Identity.generate()
+    access = AccessControl(AccessPolicy(identity_rate_per_s=0, new_identity_rate_per_s=0))  # rates: not under test
+    board = TaskBoard(open_source("repeat", seed=1), lease_timeout_s=60, max_leases_per_client=inflight)
+    ingest = QueueDepth()
+    desk = LeaseDesk(LeasePolicy(run_id=RUN, group_size=4, prompts_per_lease=per_lease, max_inflight_groups=inflight,
+                                 window_s=300), audience=coordinator.public_key, board=board, ingest=ingest,
+                     access=access, tokenizer=tokenizer, current_version=lambda: 7, clock=clock or Clock())
+    return desk, coordinator, board, access
+
+
+def held(board, key: bytes) -> int:
+    return board.held_by_client().get(key, 0)
+
+
+def test_a_crowd_of_fresh_hoarding_keys_cannot_starve_volunteers_with_a_record(tokenizer):
+    clock = Clock()
+    desk, coordinator, board, access = fair_desk(tokenizer, inflight=16, clock=clock)
+    alice, bob = Identity.generate(), Identity.generate()
+    for v in (alice, bob):
+        access.record_accepted(v.public_key)  # a record of accepted batches
+        grant(desk, request(v, coordinator, 1))  # active
+    clock.t += 2  # the desk re-counts who is active
+    crowd = [Identity.generate() for _ in range(60)]
+    for k in crowd:  # they lease and never deliver
+        grant(desk, request(k, coordinator, 4))
+    clock.t += 2
+    for k in crowd:
+        grant(desk, request(k, coordinator, 4))
+    hoarded = sum(held(board, k.public_key) for k in crowd)
+    assert hoarded <= 16 * 0.25  # new_key_share of max_inflight_groups, all of them together
+    for _ in range(3):  # alice and bob keep getting work: up to their share of the rest
+        for v in (alice, bob):
+            grant(desk, request(v, coordinator, 4))
+    assert held(board, alice.public_key) >= 4 and held(board, bob.public_key) >= 4
+    assert board.counts()["outstanding"] <= 16
+
+
+def test_one_fast_volunteer_cannot_take_every_lease(tokenizer):
+    clock = Clock()
+    desk, coordinator, board, access = fair_desk(tokenizer, inflight=16, per_lease=4, clock=clock)
+    vols = [Identity.generate() for _ in range(4)]
+    for v in vols:
+        access.record_accepted(v.public_key)
+        grant(desk, request(v, coordinator, 1))
+    clock.t += 2
+    fast = vols[0]
+    for _ in range(10):  # asks again and again before the others come back
+        grant(desk, request(fast, coordinator, 4))
+    assert held(board, fast.public_key) == 16 // 4  # its share: max_inflight / proven volunteers active
+    for v in vols[1:]:
+        assert len(grant(desk, request(v, coordinator, 4)).leases) == 3  # 1 held + 3 = its share of 4
+
+
+def test_at_the_start_of_a_run_fresh_keys_share_all_of_the_room(tokenizer):
+    desk, coordinator, board, _ = fair_desk(tokenizer, inflight=16)
+    alice, bob = Identity.generate(), Identity.generate()
+    assert len(grant(desk, request(alice, coordinator, 4)).leases) == 4  # nobody has a record yet
+    assert len(grant(desk, request(bob, coordinator, 4)).leases) == 4
+
+
+def test_empty_grants_carry_a_retry_after_that_grows_with_the_place_in_line(tokenizer):
+    clock = Clock()
+    desk, coordinator, board, access = fair_desk(tokenizer, inflight=4, per_lease=4, clock=clock)
+    worker = Identity.generate()
+    assert grant(desk, request(worker, coordinator, 4)).retry_after_s == 0.0  # work: no wait
+    line = [Identity.generate() for _ in range(5)]
+    access.record_accepted(line[3].public_key)  # a record: goes to the front once re-counted
+    retries = [grant(desk, request(k, coordinator, 4)) for k in line]
+    assert all(g.leases == () for g in retries)
+    assert [g.retry_after_s for g in retries] == [2.0, 4.0, 6.0, 8.0, 10.0]  # idle_retry_s x (1 + place)
+    clock.t += 2
+    again = {i: grant(desk, request(line[i], coordinator, 4)).retry_after_s for i in (3, 0, 4)}
+    assert again == {3: 2.0, 0: 4.0, 4: 10.0}  # the volunteer with a record first, the others keep their order
+    wide = fair_desk(tokenizer, inflight=4)
+    desk2, coord2, _, _ = wide
+    grant(desk2, request(worker, coord2, 4))
+    tail = [grant(desk2, request(Identity.generate(), coord2, 4)).retry_after_s for _ in range(40)]
+    assert max(tail) == 30.0  # max_idle_retry_s
+
+
+def test_a_long_line_of_idle_volunteers_asks_rarely(tokenizer):
+    """Simulated minute of 32 idle volunteers that obey retry_after_s: few requests each, bounded in total."""
+    clock = Clock()
+    desk, coordinator, board, _ = fair_desk(tokenizer, inflight=4, clock=clock)
+    grant(desk, request(Identity.generate(), coordinator, 4))  # the room is taken
+    idle = [Identity.generate() for _ in range(32)]
+    due = {i: clock.t for i in range(len(idle))}
+    asked = 0
+    end = clock.t + 60.0
+    while clock.t < end:
+        for i, t in due.items():
+            if t <= clock.t:
+                asked += 1
+                due[i] = clock.t + grant(desk, request(idle[i], coordinator, 4)).retry_after_s
+        clock.t += 0.25
+    per_volunteer_per_min = asked / len(idle)
+    assert per_volunteer_per_min <= 6.0, per_volunteer_per_min

@@ -162,7 +162,7 @@ def test_wrong_type_is_malformed():
     assert code_of(decode, "not bytes", Ack, max_bytes=BIG) is RejectCode.MALFORMED  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("schema", [0, 2, 99])
+@pytest.mark.parametrize("schema", [0, 1, SCHEMA_VERSION + 1, 99])
 def test_wrong_schema_is_unsupported(schema):
     msg = pointer(schema=schema)
     assert code_of(decode, encode(msg), AdapterPointer, max_bytes=BIG) is RejectCode.UNSUPPORTED_VERSION
@@ -171,7 +171,7 @@ def test_wrong_schema_is_unsupported(schema):
 
 def test_newer_schema_with_new_fields_is_unsupported_not_malformed():
     raw = msgspec.to_builtins(batch())
-    raw["schema"] = 2
+    raw["schema"] = SCHEMA_VERSION + 1
     raw["new_field_from_the_future"] = [1, 2, 3]
     data = msgspec.msgpack.encode(raw)
     assert code_of(decode_rollout_batch, data, max_bytes=BIG) is RejectCode.UNSUPPORTED_VERSION
@@ -305,3 +305,12 @@ def test_manifest_bad_dtype_is_malformed():
 )
 def test_pointer_rules(bad):
     assert code_of(decode_pointer, encode(bad)) is RejectCode.MALFORMED
+
+
+@pytest.mark.parametrize("retry", [-1.0, math.nan, math.inf, 3601.0])
+def test_a_lease_grants_retry_after_is_bounded(retry):
+    raw = msgspec.to_builtins(LeaseGrant(run_id="run", leases=(), current_version=4, retry_after_s=2.0))
+    assert decode(encode(LeaseGrant(run_id="run", leases=(), current_version=4, retry_after_s=2.0)), LeaseGrant,
+                  max_bytes=BIG).retry_after_s == 2.0
+    raw["retry_after_s"] = retry
+    assert code_of(decode, msgspec.msgpack.encode(raw), LeaseGrant, max_bytes=BIG) is RejectCode.MALFORMED
