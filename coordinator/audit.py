@@ -40,13 +40,12 @@ from typing import Callable
 
 import torch
 
+from asyncrl.models.logprobs import CompletionScorer
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 
-from .learner import collate_groups
 from .learner import completion_logprobs as learner_logprobs
 
 DEFAULT_TOLERANCE = 0.01  # see docs/SECURITY.md: honest max 6e-4, attacks >= 1.5e-2 (tiny model)
-ROWS_PER_FORWARD = 32     # bounds the [rows, T, vocab] logits tensor of one audit forward pass
 
 
 def shadow_model(model):
@@ -66,14 +65,10 @@ def shadow_model(model):
 
 @torch.no_grad()
 def completion_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The learner's completion logprobs (`learner.completion_logprobs`: same positions, temperature and
-    arithmetic as training), computed ROWS_PER_FORWARD rows at a time to bound the logits tensor; on CPU."""
-    rows = ("ids", "attn", "mask", "prompt_lens", "temps")
-    out = []
-    for lo in range(0, batch["ids"].shape[0], ROWS_PER_FORWARD):
-        part = {k: batch[k][lo:lo + ROWS_PER_FORWARD] for k in rows}
-        out.append(learner_logprobs(model, part).cpu())
-    return torch.cat(out)
+    """The learner's completion logprobs for one collated batch (`learner.completion_logprobs`: same
+    positions, temperature, chunked LM head and arithmetic as training); on CPU. The auditor itself goes
+    through `Learner.score_groups`, which also splits the rows into the learner's micro-batches."""
+    return learner_logprobs(model, batch).cpu()
 
 
 def mismatch(recomputed: torch.Tensor, claimed: torch.Tensor, mask: torch.Tensor) -> float:
@@ -100,6 +95,7 @@ class Auditor:
         self.reuse_learner_pass = lora_dropout == 0.0  # a train-mode forward with dropout is not the policy
         self.on_verdict = on_verdict  # (batch_id, signer, code or None on pass, stage)
         self.model = shadow_model(learner.model) if enabled else None
+        self.scorer = CompletionScorer(self.model) if enabled else None  # models/logprobs.py, as the learner
         self._rng = random.Random(seed)
         self._lock = threading.Lock()        # guards the shadow model (one audit at a time)
         self._versions: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
@@ -241,10 +237,13 @@ class Auditor:
             if self._loaded != version:
                 load_lora(self.model, tensors)
                 self._loaded = version
-            batch = collate_groups(groups, self.learner.tokenizer.pad_token_id, self.learner.device)
-            recomputed = completion_logprobs(self.model, batch)
+            # micro-batched like a training step; the learner's dtype and device (the shadow shares its base)
+            recomputed, mask = self.learner.score_groups(groups, model=self.scorer)
             self.stats["shadow_passes"] += 1
-        return recomputed, batch
+        claimed = torch.zeros_like(recomputed)
+        for k, lp in enumerate(lp for g in groups for lp in g.sampling_logprobs):
+            claimed[k, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
+        return recomputed, {"sampling_logps": claimed, "mask": mask}
 
     def _shadow_mismatch(self, groups, version: int) -> float:
         recomputed, batch = self.shadow_logprobs(groups, version)

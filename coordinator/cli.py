@@ -34,6 +34,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--task", default=d.task)
     run.add_argument("--max-steps", type=int, default=d.max_steps, help="0 = until interrupted")
     run.add_argument("--lr", type=float, default=d.lr)
+    lrn = run.add_argument_group("learner device, memory and schedule (docs/learner.md)")
+    lrn.add_argument("--device", help=f"auto|cuda|cuda:N|cpu (default {d.device}: cuda when present)")
+    lrn.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"],
+                     help=f"base weights (default {d.dtype}: bf16 on GPU, fp32 on CPU); LoRA + AdamW stay fp32")
+    lrn.add_argument("--micro-batch-tokens", type=int,
+                     help=f"padded tokens per forward/backward micro-batch (default {d.micro_batch_tokens})")
+    lrn.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction,
+                     help=f"recompute layer activations in backward (default {'on' if d.gradient_checkpointing else 'off'})")
+    lrn.add_argument("--lr-scheduler", choices=["constant", "cosine", "linear"],
+                     help=f"after warmup (default {d.lr_scheduler}); cosine/linear decay to 0 at --max-steps")
+    lrn.add_argument("--warmup-steps", type=int, help=f"linear LR warmup steps (default {d.warmup_steps})")
     run.add_argument("--lora-r", type=int, default=d.lora_r)
     run.add_argument("--groups-per-step", type=int, default=d.groups_per_step)
     run.add_argument("--min-groups", type=int, default=d.min_groups)

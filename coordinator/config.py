@@ -9,7 +9,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from .loss import LossConfig
 
@@ -64,7 +64,23 @@ class CoordinatorConfig:
     publish_dtype: str = "bf16"
     """dtype of published adapters (what volunteers serve with): bf16, fp16 or fp32."""
 
-    # learner
+    # learner (docs/learner.md: memory budget, dtype policy, DDP / FSDP)
+    device: str = "auto"
+    """Where the learner trains: auto (cuda when torch sees a GPU, else cpu), cuda, cuda:N or cpu. Under
+    torchrun every rank uses cuda:LOCAL_RANK."""
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """Base-model weights: auto = bf16 on a GPU (fp16 where bf16 is unsupported), fp32 on CPU. The LoRA
+    weights and the optimizer state are fp32 whatever this says."""
+    micro_batch_tokens: int = 8192
+    """Padded tokens (prompt + completion) per forward/backward micro-batch; a step accumulates exactly
+    over as many as it needs. 8192 with gradient checkpointing fits a 1.5B model on a 24 GB GPU and 7B on 80 GB."""
+    gradient_checkpointing: bool = True
+    """Recompute each decoder layer's activations in backward (non-reentrant): ~30% more compute, activation
+    memory of one layer instead of all."""
+    lr_scheduler: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning-rate schedule after warmup; cosine and linear decay to 0 at max_steps (so need max_steps > 0)."""
+    warmup_steps: int = 0
+    """Linear warmup from 0 to lr over this many optimizer steps."""
     lr: float = 2e-3
     """AdamW learning rate on the LoRA parameters."""
     max_steps: int = 150
@@ -208,6 +224,13 @@ class CoordinatorConfig:
             (self.lora_r >= 1, "lora_r must be >= 1"),
             (self.publish_dtype in ("bf16", "fp16", "fp32"), "publish_dtype must be bf16, fp16 or fp32"),
             (self.lr > 0, "lr must be > 0"),
+            (self.device in ("auto", "cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit()),
+             "device must be auto, cpu, cuda or cuda:N"),
+            (self.dtype in ("auto", "bf16", "fp16", "fp32"), "dtype must be auto, bf16, fp16 or fp32"),
+            (64 <= self.micro_batch_tokens <= 1 << 24, "micro_batch_tokens must be in [64, 16777216]"),
+            (self.lr_scheduler in ("constant", "cosine", "linear"), "lr_scheduler must be constant, cosine or linear"),
+            (self.lr_scheduler == "constant" or self.max_steps > 0, "lr_scheduler cosine/linear needs max_steps > 0"),
+            (self.warmup_steps >= 0, "warmup_steps must be >= 0"),
             (self.max_steps >= 0, "max_steps must be >= 0"),
             (1 <= self.min_groups <= self.groups_per_step, "need 1 <= min_groups <= groups_per_step"),
             (self.max_wait_s > 0, "max_wait_s must be > 0"),
@@ -261,6 +284,13 @@ class CoordinatorConfig:
     def inflight_groups(self) -> int:
         """max_inflight_groups resolved (0 = 2 x groups_per_step)."""
         return self.max_inflight_groups or 2 * self.groups_per_step
+
+    def learner_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of `Learner` / `make_learner` (rank 0 and every DDP follower use the same)."""
+        return {"lr": self.lr, "loss": self.loss, "max_staleness": self.max_staleness, "seed": self.seed,
+                "device": self.device, "dtype": self.dtype, "micro_batch_tokens": self.micro_batch_tokens,
+                "gradient_checkpointing": self.gradient_checkpointing, "lr_scheduler": self.lr_scheduler,
+                "warmup_steps": self.warmup_steps, "total_steps": self.max_steps}
 
     def to_json(self) -> str:
         def default(o: Any):

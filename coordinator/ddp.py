@@ -8,15 +8,18 @@ unless launched by torchrun / accelerate with WORLD_SIZE > 1). Only rank 0 runs 
 One step, on every rank:
   1. rank 0 broadcasts the step's groups and its version counter (msgpack bytes in a uint8 tensor —
      torch.distributed's object collectives pickle, so they are not used);
-  2. every rank drops the same stale groups and takes the slice `fresh[rank::world]` (whole groups, so
-     group-relative advantages are unchanged);
-  3. forward + backward through DDP. The gradient all-reduce is a *weighted sum* (a DDP comm hook), each
-     rank's weight being its share of the global normaliser — sequences for `grpo` / `dr_grpo`, completion
-     tokens for `dapo` — so the summed gradient is exactly the 1-process gradient of the same batch,
-     whatever the slice sizes (DDP's default averaging would be exact only for equal slices);
-  4. identical clipping and AdamW step everywhere, so the adapters stay identical (rank 0 publishes).
-A rank whose slice is empty still runs forward/backward on one group with weight 0 (DDP needs every
+  2. every rank drops the same stale groups, computes the same advantages and the same *global* step
+     normaliser (coordinator/loss.py `StepNormaliser`, over all ranks' rows: every rank sees every group),
+     and trains the rows of the groups `fresh[rank::world]` (whole groups) in micro-batches;
+  3. each micro-batch's loss is already divided by the global normaliser, so the gradient all-reduce is a
+     plain *sum* (a DDP comm hook; DDP's default averaging would divide by the world size), issued once per
+     step: every micro-batch but the last runs under `no_sync()`. The summed gradient is exactly the
+     1-process gradient of the same batch, whatever the slice sizes;
+  4. loss statistics are summed (SUM / MAX / MIN all-reduces of `LossTotals`), then identical clipping,
+     AdamW and scheduler steps everywhere, so the adapters stay identical (rank 0 publishes).
+A rank whose slice is empty still runs forward/backward on one group with its loss times 0 (DDP needs every
 rank in every all-reduce). The train-time generation audit is off under DDP (it would see one slice).
+Devices: `--device cuda` (or auto with a GPU) means cuda:LOCAL_RANK on each rank, with NCCL; CPU ranks use gloo.
 
     torchrun --standalone --nproc-per-node 2 -m asyncrl.coordinator.cli run --model tiny ...
     accelerate launch --multi_gpu --num_processes 2 -m asyncrl.coordinator.cli run ...    (GPU nodes)
@@ -26,12 +29,13 @@ rank in every all-reduce). The train-time generation audit is off under DDP (it 
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 
 import msgspec
 import torch
 import torch.distributed as dist
 
-from .learner import Learner, TrainGroup
+from .learner import Learner, LossTotals, Row, TrainGroup
 
 STOP = -1  # header length that tells followers to leave their loop
 
@@ -41,10 +45,8 @@ def world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _weighted_sum_hook(learner: "DistributedLearner", bucket):
-    buf = bucket.buffer()
-    buf.mul_(learner.grad_weight)
-    fut = dist.all_reduce(buf, async_op=True).get_future()
+def _sum_hook(state, bucket):
+    fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
 
 
@@ -59,9 +61,8 @@ class DistributedLearner(Learner):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         from torch.nn.parallel import DistributedDataParallel
 
-        self.ddp = DistributedDataParallel(self.model, device_ids=[torch.device(self.device).index] if cuda else None)
-        self.grad_weight = 1.0
-        self.ddp.register_comm_hook(self, _weighted_sum_hook)
+        self.ddp = DistributedDataParallel(self.scorer, device_ids=[torch.device(self.device).index] if cuda else None)
+        self.ddp.register_comm_hook(None, _sum_hook)
 
     # The generation audit would see only this rank's slice (and could leave a rank out of an all-reduce).
     audit_hook = property(lambda self: None, lambda self, value: None)
@@ -103,29 +104,45 @@ class DistributedLearner(Learner):
         return self._step_local(self._broadcast(groups))
 
     def _step_local(self, groups: list[TrainGroup]):
-        fresh = [g for g in groups if not self.is_stale(g.version)]
-        if not fresh:
-            return None  # the same on every rank: no collective is entered
-        mine = fresh[self.rank::self.world]
-        loss_type = self.loss_cfg.loss_type
-        size = (lambda gs: sum(len(c) for g in gs for c in g.completions)) if loss_type == "dapo" else \
-            (lambda gs: sum(len(g.completions) for g in gs))
-        self.grad_weight = size(mine) / max(1, size(fresh))
-        if not mine:
-            mine = fresh[:1]  # take part in the all-reduce, contribute nothing
-        result = super().step(mine)
-        if result is not None:
-            result.groups_used = len(fresh)
-            result.groups_dropped_stale = len(groups) - len(fresh)
+        result = super().step(groups)  # the same stale groups on every rank: None everywhere or nowhere
         return result
 
-    def _completion_logprobs(self, batch):
-        # Learner's forward, but through the DDP wrapper so the backward all-reduces the gradients.
-        inner, self.model = self.model, self.ddp
-        try:
-            return super()._completion_logprobs(batch)
-        finally:
-            self.model = inner
+    # ---- Learner seams -------------------------------------------------------------------------------
+    def _local_rows(self, rows: list[Row]) -> tuple[list[Row], float]:
+        mine = [r for r in rows if r.group % self.world == self.rank]
+        if not mine:  # take part in the all-reduce, contribute nothing
+            return [r for r in rows if r.group == 0], 0.0
+        return mine, 1.0
+
+    def _sync(self, last: bool):
+        return nullcontext() if last else self.ddp.no_sync()
+
+    def _forward(self, batch):
+        return self.ddp(batch)  # through the DDP wrapper, so the last backward all-reduces the gradients
+
+    def _reduce(self, totals: LossTotals) -> LossTotals:
+        sums, hi, lo = (t.to(self._comm_device) for t in totals.as_tensors())
+        dist.all_reduce(sums)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+        totals.load_tensors(sums.cpu(), hi.cpu(), lo.cpu())
+        return totals
+
+    def _reduce_count(self, n: int) -> int:
+        t = torch.tensor([n], dtype=torch.int64, device=self._comm_device)
+        dist.all_reduce(t)
+        return int(t.item())
+
+    @property
+    def _comm_device(self):
+        return torch.device(self.device) if str(self.device).startswith("cuda") else torch.device("cpu")
+
+
+def local_device(device: str) -> str:
+    """This rank's device under torchrun: cuda (and auto with a GPU) become cuda:LOCAL_RANK."""
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        return f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+    return device
 
 
 def make_learner(*args, **kwargs) -> Learner:
@@ -133,8 +150,7 @@ def make_learner(*args, **kwargs) -> Learner:
     means this rank's GPU, cuda:LOCAL_RANK)."""
     if world()[1] == 1:
         return Learner(*args, **kwargs)
-    if str(kwargs.get("device", "cpu")) == "cuda":
-        kwargs["device"] = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+    kwargs["device"] = local_device(str(kwargs.get("device", "cpu")))
     return DistributedLearner(*args, **kwargs)
 
 
@@ -155,7 +171,7 @@ def run_follower(cfg, out=print) -> int:
             time.sleep(0.5)
     path, _, _ = resolve_model(cfg.model)
     lora = LoraSpec(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, target_modules=tuple(cfg.lora_targets))
-    learner = DistributedLearner(path, lora, lr=cfg.lr, loss=cfg.loss, max_staleness=cfg.max_staleness, seed=cfg.seed)
+    learner = make_learner(path, lora, **cfg.learner_kwargs())  # the same options as rank 0 (service.py)
     if cfg.resume:
         from .checkpoint import Checkpointer, CheckpointError, restore_learner
 

@@ -37,7 +37,8 @@ def synthetic_groups(step: int, n_groups: int, seed: int = 0):
     return groups
 
 
-def run(out: str, *, steps: int, groups_per_step: int, loss_types: list[str], seed: int) -> None:
+def run(out: str, *, steps: int, groups_per_step: int, loss_types: list[str], seed: int,
+        micro_batch_tokens: int = 8192, beta: float = 0.0) -> None:
     import torch
     from safetensors.torch import save_file
 
@@ -52,8 +53,8 @@ def run(out: str, *, steps: int, groups_per_step: int, loss_types: list[str], se
     lora = LoraSpec(r=8, alpha=16.0, dropout=0.0, target_modules=("q_proj", "v_proj", "o_proj", "up_proj"))
     result = {}
     for loss_type in loss_types:
-        learner = make_learner(path, lora, lr=1e-2, loss=LossConfig(loss_type=loss_type), max_staleness=None,
-                               seed=seed)
+        learner = make_learner(path, lora, lr=1e-2, loss=LossConfig(loss_type=loss_type, beta=beta),
+                               max_staleness=None, seed=seed, micro_batch_tokens=micro_batch_tokens)
         for step in range(steps):  # every rank calls step(); rank 0's groups are the ones broadcast
             learner.step(synthetic_groups(step, groups_per_step, seed))
         for name, value in learner.lora_parameters().items():
@@ -83,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--groups-per-step", type=int, default=5)
     p.add_argument("--loss-types", default="grpo,dapo")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--micro-batch-tokens", type=int, default=8192,
+                   help="small values split each rank's slice into several micro-batches (no_sync path)")
+    p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (adds the reference pass)")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two --out files instead")
     # Gradients agree to ~1e-7 relative; AdamW then divides by sqrt(v) + eps, so a coordinate whose
     # gradient is ~1e-9 moves by about +-lr either way: a few such coordinates differ by up to ~lr/30.
@@ -93,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.out:
         p.error("--out is required")
     run(args.out, steps=args.steps, groups_per_step=args.groups_per_step,
-        loss_types=[t for t in args.loss_types.split(",") if t], seed=args.seed)
+        loss_types=[t for t in args.loss_types.split(",") if t], seed=args.seed,
+        micro_batch_tokens=args.micro_batch_tokens, beta=args.beta)
     return 0
 
 

@@ -1,21 +1,37 @@
 """Learner: GRPO steps on the LoRA adapter from whatever rollout groups have arrived.
 
-Owns the policy (base model + PEFT LoRA), the optimizer and the version counter. It knows nothing
-about the network: the service hands it `TrainGroup`s that ingest already verified, and asks it to
-export the adapter for publishing. Staleness filtering (`max_staleness`) happens here because the
-learner owns the version counter.
+Owns the policy (base model + PEFT LoRA), the optimizer, the LR schedule and the version counter. It knows
+nothing about the network: the service hands it `TrainGroup`s that ingest already verified, and asks it to
+export the adapter for publishing. Staleness filtering (`max_staleness`) happens here because the learner
+owns the version counter. docs/learner.md is the operator's view (memory budget, dtype policy, commands).
+
+One step (`step`):
+  1. drop stale groups; run the train-time generation audit, if any group asks for it, on a *no-grad* pass
+     over just the audited groups (micro-batched like training), and drop the batches it rejects — before
+     any gradient exists, so a rejection never redoes the step (cost: one forward of the audited rows);
+  2. flatten the groups into rows, group-relative advantages over the whole step, and the step's global
+     normaliser (`loss.StepNormaliser`: rows and trained tokens of the *whole* step, every rank);
+  3. rows sorted by length and packed into micro-batches of at most `micro_batch_tokens` padded tokens
+     (`plan_micro_batches`); each micro-batch is padded to its own longest row, its loss is
+     sum(per-token objective * `loss.token_weights`(global normaliser)) and is back-propagated at once, so
+     gradients accumulate to exactly the full-batch gradient (tests/coordinator/test_microbatch.py);
+  4. statistics (`loss.LossTotals`) are summed across micro-batches; grad norm (before clipping), clip,
+     AdamW step, LR scheduler step.
+Device and dtype: base weights in `dtype` (bf16 on CUDA by default) on `device`; the LoRA parameters and so
+AdamW's state are fp32 (master weights). Log-probs come from models/logprobs.py (no [B, T, V] fp32 tensor).
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
 from asyncrl.protocol.messages import LoraSpec
 
-from .loss import LossConfig, group_advantages, grpo_loss
+from .loss import LossConfig, LossTotals, StepNormaliser, group_advantages, policy_terms, token_weights
 
 
 @dataclass
@@ -34,6 +50,46 @@ class TrainGroup:
 
 
 @dataclass
+class Row:
+    """One completion of a step, as a micro-batch needs it."""
+
+    ids: list[int]           # prompt + completion
+    prompt_len: int
+    sampling_logprobs: list[float]
+    reward: float
+    group: int               # index of its group in the step
+    temperature: float = 1.0
+    advantage: float = 0.0
+    loss_mask: list[float] | None = None  # per completion token (None = all 1); truncation masks go here
+
+    @property
+    def comp_len(self) -> int:
+        return len(self.ids) - self.prompt_len
+
+    def mask(self) -> list[float]:
+        return self.loss_mask if self.loss_mask is not None else [1.0] * self.comp_len
+
+
+def rows_of(groups: list[TrainGroup]) -> list[Row]:
+    """Rows in group order (the order the audit hook and `collate_groups` use)."""
+    return [Row(list(g.prompt_ids) + list(comp), len(g.prompt_ids), list(lp), float(r), gi, g.temperature)
+            for gi, g in enumerate(groups) for comp, lp, r in zip(g.completions, g.sampling_logprobs, g.rewards)]
+
+
+def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Indices into `lengths`, longest first, packed so that rows x longest row <= max_tokens per
+    micro-batch (a row longer than the budget goes alone). Sorting keeps per-micro-batch padding small."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    plan: list[list[int]] = []
+    for i in order:
+        if plan and (len(plan[-1]) + 1) * lengths[plan[-1][0]] <= max_tokens:
+            plan[-1].append(i)
+        else:
+            plan.append([i])
+    return plan
+
+
+@dataclass
 class StepResult:
     version: int
     loss: float
@@ -48,24 +104,37 @@ class StepResult:
     tokens: int = 0
     """Non-pad tokens (prompt + completion) through forward and backward this step."""
     metrics: dict = field(default_factory=dict)
-    """Loss statistics (coordinator.loss.LossStats.metrics) plus the staleness histogram."""
+    """Loss statistics (coordinator.loss.LossStats.metrics), the staleness histogram, grad_norm (before
+    clipping), entropy_mean, lr, micro_batches and tokens_per_s."""
 
 
 class Learner:
     def __init__(self, model: str, lora: LoraSpec, *, lr: float, loss: LossConfig,
                  max_staleness: int | None, weight_decay: float = 0.0, max_grad_norm: float = 1.0,
-                 seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32):
-        from asyncrl.models.lora import load_base_model, with_lora
+                 seed: int = 0, device: str = "cpu", dtype: str | torch.dtype = "fp32",
+                 micro_batch_tokens: int = 8192, gradient_checkpointing: bool = False,
+                 lr_scheduler: str = "constant", warmup_steps: int = 0, total_steps: int = 0):
+        from asyncrl.models.lora import load_base_model, resolve_placement, with_lora
+        from asyncrl.models.logprobs import CompletionScorer
 
-        base, self.tokenizer = load_base_model(model, dtype=dtype)
-        self.model = with_lora(base, lora, seed=seed).to(device)
+        self.device, self.dtype = resolve_placement(device, dtype)
+        base, self.tokenizer = load_base_model(model, dtype=self.dtype, device=self.device)
+        if gradient_checkpointing:  # non-reentrant: gradients reach the LoRA weights without input grads
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model = with_lora(base, lora, seed=seed).to(self.device)
+        for p in self.model.parameters():  # fp32 master weights (PEFT's adapter autocast does this too)
+            if p.requires_grad and p.dtype != torch.float32:
+                p.data = p.data.float()
         self.model.train()
-        self.device = device
+        self.scorer = CompletionScorer(self.model)
         self.loss_cfg = loss
         self.max_staleness = max_staleness
         self.max_grad_norm = max_grad_norm
+        self.micro_batch_tokens = micro_batch_tokens
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+        self.scheduler = make_scheduler(self.optimizer, lr_scheduler, warmup_steps=warmup_steps,
+                                        total_steps=total_steps)
         self.version = 0  # version of the adapter currently held (== last published or to publish)
         self.audit_hook = None  # fn(groups, logps, mask) -> batch ids to drop (coordinator/audit.py)
         self.steps = 0
@@ -87,107 +156,175 @@ class Learner:
         dropped = len(groups) - len(fresh)
         if not fresh:
             return None
-        batch = self._collate(fresh)
-        logps = self._completion_logprobs(batch)
         if self.audit_hook is not None and any(g.audit for g in fresh):
-            # Generation audit on this very forward pass; a failing batch goes before any gradient exists.
-            rejected = self.audit_hook(fresh, logps.detach(), batch["mask"])
+            # Generation audit on a no-grad pass over the audited groups, before any gradient exists.
+            audited = [g for g in fresh if g.audit]
+            logps, mask = self.score_groups(audited)
+            rejected = self.audit_hook(audited, logps, mask)
             if rejected:
                 fresh = [g for g in fresh if g.batch_id not in rejected]
                 if not fresh:
                     return None
-                batch = self._collate(fresh)
-                logps = self._completion_logprobs(batch)
-        ref = None
-        if self.loss_cfg.beta > 0:  # reference = the base model: the same weights, adapter switched off
-            with torch.no_grad(), self.model.disable_adapter():
-                ref = self._completion_logprobs(batch)
-        adv = group_advantages(batch["rewards"], batch["group_ids"], self.loss_cfg.scale_rewards).to(logps.device)
-        stats = grpo_loss(logps, batch["sampling_logps"], adv, batch["mask"], self.loss_cfg, ref_logps=ref)
+        return self._train(fresh, dropped, t0)
+
+    # ---- the step proper ---------------------------------------------------------------------------
+    def _train(self, fresh: list[TrainGroup], dropped: int, t0: float) -> StepResult:
+        rows = rows_of(fresh)
+        adv = group_advantages(torch.tensor([r.reward for r in rows]), torch.tensor([r.group for r in rows]),
+                               self.loss_cfg.scale_rewards)
+        for r, a in zip(rows, adv.tolist()):
+            r.advantage = a
+        norm = StepNormaliser.over(r.mask() for r in rows)  # the whole step's, every rank's rows included
+        mine, scale = self._local_rows(rows)
+        plan = plan_micro_batches([len(r.ids) for r in mine], self.micro_batch_tokens)
+        totals = LossTotals()
+        tokens = 0
         self.optimizer.zero_grad(set_to_none=True)
-        stats.loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], self.max_grad_norm)
+        for k, idx in enumerate(plan):
+            batch = self._collate_rows([mine[i] for i in idx])
+            with self._sync(last=k == len(plan) - 1):
+                out = self._forward(batch)
+                ref = None
+                if self.loss_cfg.beta > 0:  # reference = the base model: the same weights, adapter switched off
+                    with torch.no_grad(), self.model.disable_adapter():
+                        ref = self.scorer(batch).logps
+                terms = policy_terms(out.logps, batch["sampling_logps"], batch["adv"], batch["mask"],
+                                     self.loss_cfg, ref_logps=ref)
+                loss = (terms.per_token * token_weights(batch["mask"], self.loss_cfg, norm)).sum()
+                (loss * scale).backward()
+            if scale:
+                totals.add(loss, terms, batch["adv"], batch["mask"], self.loss_cfg, out.entropy)
+                tokens += int(batch["attn"].sum())
+        totals = self._reduce(totals)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
+        lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
+        self.scheduler.step()
         self.steps += 1
+        stats = totals.stats()
         staleness = [self.version - g.version for g in fresh]
         hist: dict[str, int] = {}
         for s in sorted(staleness):
             hist[str(s)] = hist.get(str(s), 0) + 1
+        seconds = time.perf_counter() - t0
+        tokens = self._reduce_count(tokens)
         return StepResult(
             version=self.version,
-            loss=float(stats.loss.detach()),
-            reward_mean=float(batch["rewards"].mean()),
+            loss=float(stats.loss),
+            reward_mean=sum(r.reward for r in rows) / len(rows),
             groups_used=len(fresh),
             groups_dropped_stale=dropped,
             staleness=staleness,
             clip_fraction=stats.clip_fraction,
             ratio_mean=stats.ratio_mean,
             is_weight_mean=stats.is_weight_mean,
-            seconds=time.perf_counter() - t0,
-            tokens=int(batch["attn"].sum()),
+            seconds=seconds,
+            tokens=tokens,
             metrics={**stats.metrics(), "staleness_hist": hist, "staleness_max": max(staleness),
-                     "staleness_mean": sum(staleness) / len(staleness), "groups_dropped_stale": dropped},
+                     "staleness_mean": sum(staleness) / len(staleness), "groups_dropped_stale": dropped,
+                     "grad_norm": grad_norm, "lr": lr, "micro_batches": len(plan),
+                     "tokens_per_s": tokens / seconds if seconds > 0 else 0.0},
         )
+
+    # ---- seams DistributedLearner overrides -----------------------------------------------------------
+    def _local_rows(self, rows: list[Row]) -> tuple[list[Row], float]:
+        """The rows this process trains, and the factor on their loss (0 for a placeholder)."""
+        return rows, 1.0
+
+    def _sync(self, last: bool):
+        return nullcontext()
+
+    def _forward(self, batch):
+        return self.scorer(batch)
+
+    def _reduce(self, totals: LossTotals) -> LossTotals:
+        return totals
+
+    def _reduce_count(self, n: int) -> int:
+        return n
+
+    # ---- scoring without gradients (audit) -----------------------------------------------------------
+    @torch.no_grad()
+    def score_groups(self, groups: list[TrainGroup], model=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """[rows, Tmax] completion log-probs (rows in group order, on CPU) and the generated-token mask, under
+        `model` (default: the learner's own policy), micro-batched like a training step."""
+        return score_rows(self.scorer if model is None else model, rows_of(groups), self.tokenizer.pad_token_id,
+                          self.device, self.micro_batch_tokens)
 
     def _collate(self, groups: list[TrainGroup]) -> dict[str, torch.Tensor]:
         return collate_groups(groups, self.tokenizer.pad_token_id, self.device)
 
+    def _collate_rows(self, rows: list[Row]) -> dict[str, torch.Tensor]:
+        return collate_rows(rows, self.tokenizer.pad_token_id, self.device)
+
     def _completion_logprobs(self, batch) -> torch.Tensor:
-        return completion_logprobs(self.model, batch)
+        return self.scorer(batch).logps
+
+
+def make_scheduler(optimizer, kind: str, *, warmup_steps: int = 0, total_steps: int = 0):
+    """transformers' schedules (TRL's `lr_scheduler_type`): constant (with warmup), cosine or linear decay
+    to 0 at `total_steps`. A LambdaLR whose state_dict is plain JSON (checkpointed, restored by --resume)."""
+    from transformers import get_scheduler
+
+    if kind not in ("constant", "cosine", "linear"):
+        raise ValueError(f"lr_scheduler must be constant, cosine or linear, not {kind!r}")
+    if kind != "constant" and total_steps <= 0:
+        raise ValueError(f"lr_scheduler {kind} needs a positive number of training steps (max_steps)")
+    name = "constant_with_warmup" if kind == "constant" else kind
+    return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps,
+                         num_training_steps=total_steps if kind != "constant" else None)
+
+
+def score_rows(scorer, rows: list[Row], pad_id: int, device, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """No-grad completion log-probs of `rows` ([rows, Tmax] in the given order, CPU) and the [rows, Tmax]
+    mask of generated tokens (1 for j < comp_len: every sampled token, whatever the loss mask says)."""
+    tmax = max((r.comp_len for r in rows), default=0)
+    logps = torch.zeros((len(rows), tmax))
+    for idx in plan_micro_batches([len(r.ids) for r in rows], max_tokens):
+        batch = collate_rows([rows[i] for i in idx], pad_id, device)
+        part = scorer(batch).logps.float().cpu()
+        logps[idx, :part.shape[1]] = part
+    generated = torch.arange(tmax).unsqueeze(0) < torch.tensor([r.comp_len for r in rows]).unsqueeze(1)
+    return logps, generated.float()
 
 
 def collate_groups(groups: list[TrainGroup], pad_id: int, device) -> dict[str, torch.Tensor]:
-    """Right-padded [B, T] prompt+completion rows; completion positions flagged in `mask`."""
-    rows, prompt_lens, comp_lens, rewards, gids, samp, temps = [], [], [], [], [], [], []
-    for gi, g in enumerate(groups):
-        for comp, lp, r in zip(g.completions, g.sampling_logprobs, g.rewards):
-            rows.append(list(g.prompt_ids) + list(comp))
-            prompt_lens.append(len(g.prompt_ids))
-            comp_lens.append(len(comp))
-            samp.append(lp)
-            rewards.append(r)
-            gids.append(gi)
-            temps.append(g.temperature)
-    width = max(len(r) for r in rows)
-    tmax = max(comp_lens)
+    """Right-padded [B, T] prompt+completion rows of `groups`, in group order (see collate_rows)."""
+    rows = rows_of(groups)
+    batch = collate_rows(rows, pad_id, device)
+    batch["rewards"] = torch.tensor([r.reward for r in rows], dtype=torch.float32)
+    batch["group_ids"] = torch.tensor([r.group for r in rows])
+    return batch
+
+
+def collate_rows(rows: list[Row], pad_id: int, device) -> dict[str, torch.Tensor]:
+    """Right-padded [B, W] ids/attn (W = this micro-batch's longest row); [B, Tmax] loss `mask` and sampling
+    logprobs in completion-aligned columns; [B] prompt_lens, comp_lens, temps and advantages `adv`."""
+    width = max(len(r.ids) for r in rows)
+    tmax = max(r.comp_len for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attn = torch.zeros((len(rows), width), dtype=torch.long)
     mask = torch.zeros((len(rows), tmax))
     slp = torch.zeros((len(rows), tmax))
     for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r)
-        attn[i, :len(r)] = 1
-        mask[i, :comp_lens[i]] = 1
-        slp[i, :comp_lens[i]] = torch.tensor(samp[i], dtype=torch.float32)
+        ids[i, :len(r.ids)] = torch.tensor(r.ids)
+        attn[i, :len(r.ids)] = 1
+        mask[i, :r.comp_len] = torch.tensor(r.mask(), dtype=torch.float32)
+        slp[i, :r.comp_len] = torch.tensor(r.sampling_logprobs, dtype=torch.float32)
     return {"ids": ids.to(device), "attn": attn.to(device), "mask": mask.to(device),
-            "sampling_logps": slp.to(device), "rewards": torch.tensor(rewards, dtype=torch.float32),
-            "group_ids": torch.tensor(gids), "prompt_lens": torch.tensor(prompt_lens),
-            "comp_lens": torch.tensor(comp_lens), "temps": torch.tensor(temps, dtype=torch.float32)}
+            "sampling_logps": slp.to(device),
+            "adv": torch.tensor([r.advantage for r in rows], dtype=torch.float32).to(device),
+            "prompt_lens": torch.tensor([r.prompt_len for r in rows]),
+            "comp_lens": torch.tensor([r.comp_len for r in rows]),
+            "temps": torch.tensor([r.temperature for r in rows], dtype=torch.float32)}
 
 
 def completion_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """log pi(token) for every completion token, [B, Tmax], under the same temperature as sampling.
+    """log pi(token) for every completion token, [B, Tmax], under the same temperature as sampling
+    (models/logprobs.py: only completion positions reach the LM head, chunked, no [B, T, V] fp32 tensor).
+    `model` is a (PEFT) causal LM or an existing `CompletionScorer`."""
+    from asyncrl.models.logprobs import CompletionScorer
 
-    Cost matters here (bench/learner_throughput.py): the LM head runs only from the first position
-    that predicts a completion token (`logits_to_keep`), and the log-probability of the taken
-    token is gather - logsumexp (TRL's selective_log_softmax) instead of a full-vocabulary
-    log_softmax copy; the [B, T] result is then shifted into completion-aligned columns.
-    """
-    ids = batch["ids"]
-    B, tmax = batch["mask"].shape
-    width = ids.shape[1]
-    start = int(batch["prompt_lens"].min()) - 1  # first position whose next token is a completion token
-    keep = width - start
-    logits = model(input_ids=ids, attention_mask=batch["attn"], logits_to_keep=keep).logits
-    logits = logits[:, :-1]  # the last position predicts nothing we train on
-    if logits.dtype != torch.float32:
-        logits = logits.float()
-    temps = batch["temps"]
-    if not bool((temps == 1.0).all()):
-        logits = logits / temps.to(logits.device).view(-1, 1, 1)
-    targets = ids[:, start + 1:]
-    logp = logits.gather(2, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    # completion token j of row i sits at position prompt_len + j, predicted by position - 1
-    col = batch["prompt_lens"].view(-1, 1) - 1 - start + torch.arange(tmax).view(1, -1)
-    col = col.clamp(max=max(0, logp.shape[1] - 1)).to(logp.device)
-    return logp.gather(1, col) * batch["mask"]
+    scorer = model if isinstance(model, CompletionScorer) else CompletionScorer(model)
+    return scorer(batch).logps

@@ -101,43 +101,59 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, scale: Scal
     return centred
 
 
+@dataclass(frozen=True)
+class StepNormaliser:
+    """The denominator of one optimizer step's loss, counted over *every* row of the step (all micro-batches,
+    all DDP ranks). Each micro-batch's loss is sum(per_token * token_weights(...)) with this normaliser, so the
+    micro-batch losses (and gradients) add up exactly to the full-batch loss of the step."""
+
+    sequences: int      # rows (completions) in the step
+    tokens: float       # sum of the loss mask over the step (completion tokens that are trained)
+
+    @classmethod
+    def over(cls, row_masks) -> "StepNormaliser":
+        """From each row's loss mask (an iterable of 1-d tensors or lists of 0/1 weights)."""
+        rows = list(row_masks)
+        return cls(sequences=len(rows), tokens=float(sum(float(sum(m)) for m in rows)))
+
+
+def token_weights(mask: torch.Tensor, cfg: LossConfig, norm: StepNormaliser) -> torch.Tensor:
+    """[b, T] coefficient of each token's loss term in the step's loss (TRL's three normalisations):
+    grpo     mask / (row's mask sum * sequences)   mean over each sequence's tokens, then over sequences;
+    dr_grpo  mask / (sequences * max_completion_length);
+    dapo     mask / tokens                          token-level mean over the step."""
+    mask = mask.float()
+    if cfg.loss_type == "grpo":
+        return mask / (mask.sum(dim=1, keepdim=True).clamp(min=1.0) * max(1, norm.sequences))
+    if cfg.loss_type == "dr_grpo":
+        return mask / (max(1, norm.sequences) * cfg.max_completion_length)
+    if cfg.loss_type == "dapo":
+        return mask / max(1.0, norm.tokens)
+    raise ValueError(f"unknown loss_type {cfg.loss_type!r}")  # pragma: no cover - guarded by validation
+
+
 @dataclass
-class LossStats:
-    loss: torch.Tensor
-    clip_fraction: float
-    ratio_mean: float
-    ratio_max: float
-    is_weight_mean: float
-    is_truncated_fraction: float
-    ratio_min: float = 1.0
-    clip_low_fraction: float = 0.0
-    clip_high_fraction: float = 0.0
-    kl_mean: float = 0.0
+class TokenTerms:
+    """The objective per token, before normalisation, plus what the statistics need (all [b, T])."""
 
-    def metrics(self) -> dict[str, float]:
-        """The per-step numbers the coordinator writes to metrics.jsonl."""
-        return {"loss": float(self.loss.detach()), "clip_fraction": self.clip_fraction,
-                "clip_low_fraction": self.clip_low_fraction, "clip_high_fraction": self.clip_high_fraction,
-                "ratio_mean": self.ratio_mean, "ratio_max": self.ratio_max, "ratio_min": self.ratio_min,
-                "is_weight_mean": self.is_weight_mean, "is_truncated_fraction": self.is_truncated_fraction,
-                "kl_mean": self.kl_mean}
+    per_token: torch.Tensor   # loss term per token (differentiable in logps)
+    ratio: torch.Tensor       # the objective's ratio (what is clipped)
+    behaviour: torch.Tensor   # pi_theta / mu against the volunteer's sampling policy, detached
+    weight: torch.Tensor      # importance weight applied to the policy term (1 without TIS)
+    truncated: torch.Tensor   # 1 where the weight hit is_cap
+    kl: torch.Tensor | None   # k3 KL per token when beta > 0
 
 
-def grpo_loss(logps: torch.Tensor, sampling_logps: torch.Tensor, advantages: torch.Tensor,
-              mask: torch.Tensor, cfg: LossConfig, ref_logps: torch.Tensor | None = None) -> LossStats:
-    """logps, sampling_logps, mask (and ref_logps when cfg.beta > 0): [B, T]; advantages: [B].
-
-    Returns the scalar loss and statistics."""
+def policy_terms(logps: torch.Tensor, sampling_logps: torch.Tensor, advantages: torch.Tensor,
+                 mask: torch.Tensor, cfg: LossConfig, ref_logps: torch.Tensor | None = None) -> TokenTerms:
+    """The per-token objective: a function of each row alone (rows are never split across micro-batches), so
+    any correction added here is micro-batch exact as long as it is normalised by `token_weights`."""
     import torch
 
     mask = mask.to(logps.dtype)
     adv = advantages.unsqueeze(1)
-    if cfg.correction == "clip":
-        anchor = sampling_logps
-    else:
-        anchor = logps.detach()
-    log_ratio = (logps - anchor) * mask
-    ratio = torch.exp(log_ratio)
+    anchor = sampling_logps if cfg.correction == "clip" else logps.detach()
+    ratio = torch.exp((logps - anchor) * mask)
     clipped = torch.clamp(ratio, 1.0 - cfg.epsilon, 1.0 + cfg.epsilon_high)
     per_token = -torch.minimum(ratio * adv, clipped * adv)
 
@@ -159,35 +175,118 @@ def grpo_loss(logps: torch.Tensor, sampling_logps: torch.Tensor, advantages: tor
         delta = (ref_logps - logps) * mask
         kl = torch.exp(delta) - delta - 1.0
         per_token = per_token + cfg.beta * kl
+    behaviour = torch.exp((logps.detach() - sampling_logps) * mask)
+    return TokenTerms(per_token, ratio.detach(), behaviour, weight, truncated, kl.detach() if kl is not None else None)
 
-    n_tokens = mask.sum().clamp(min=1.0)
-    if cfg.loss_type == "grpo":
-        per_seq = (per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
-        loss = per_seq.mean()
-    elif cfg.loss_type == "dr_grpo":
-        loss = (per_token * mask).sum() / (logps.shape[0] * cfg.max_completion_length)
-    elif cfg.loss_type == "dapo":
-        loss = (per_token * mask).sum() / n_tokens
-    else:  # pragma: no cover - guarded by config validation
-        raise ValueError(f"unknown loss_type {cfg.loss_type!r}")
 
-    with torch.no_grad():
-        on = mask > 0
-        low = ((ratio < 1.0 - cfg.epsilon) & (adv < 0) & on).to(mask.dtype).sum() / n_tokens
-        high = ((ratio > 1.0 + cfg.epsilon_high) & (adv > 0) & on).to(mask.dtype).sum() / n_tokens
-        behaviour = torch.exp((logps.detach() - sampling_logps) * mask)[on]
-        if behaviour.numel() == 0:
-            behaviour = torch.ones(1, dtype=logps.dtype, device=logps.device)
-        stats = LossStats(
-            loss=loss,
-            clip_fraction=float(low + high),
-            ratio_mean=float(behaviour.mean()),
-            ratio_max=float(behaviour.max()),
-            is_weight_mean=float((weight * mask).sum() / n_tokens),
-            is_truncated_fraction=float((truncated * mask).sum() / n_tokens),
-            ratio_min=float(behaviour.min()),
-            clip_low_fraction=float(low),
-            clip_high_fraction=float(high),
-            kl_mean=float((kl * mask).sum() / n_tokens) if kl is not None else 0.0,
+@dataclass
+class LossStats:
+    loss: torch.Tensor
+    clip_fraction: float
+    ratio_mean: float
+    ratio_max: float
+    is_weight_mean: float
+    is_truncated_fraction: float
+    ratio_min: float = 1.0
+    clip_low_fraction: float = 0.0
+    clip_high_fraction: float = 0.0
+    kl_mean: float = 0.0
+    entropy_mean: float | None = None
+
+    def metrics(self) -> dict[str, float]:
+        """The per-step numbers the coordinator writes to metrics.jsonl."""
+        out = {"loss": float(self.loss.detach()) if hasattr(self.loss, "detach") else float(self.loss),
+               "clip_fraction": self.clip_fraction,
+               "clip_low_fraction": self.clip_low_fraction, "clip_high_fraction": self.clip_high_fraction,
+               "ratio_mean": self.ratio_mean, "ratio_max": self.ratio_max, "ratio_min": self.ratio_min,
+               "is_weight_mean": self.is_weight_mean, "is_truncated_fraction": self.is_truncated_fraction,
+               "kl_mean": self.kl_mean}
+        if self.entropy_mean is not None:
+            out["entropy_mean"] = self.entropy_mean
+        return out
+
+
+class LossTotals:
+    """Statistics summed over a step's micro-batches (and, under DDP, over ranks: `as_tensors`/`from_tensors`),
+    so a micro-batched step reports exactly what the full-batch step would. Means are per masked token."""
+
+    SUMS = ("loss", "tokens", "clip_low", "clip_high", "ratio", "weight", "truncated", "kl", "entropy")
+
+    def __init__(self) -> None:
+        self.sums = dict.fromkeys(self.SUMS, 0.0)
+        self.ratio_max = float("-inf")
+        self.ratio_min = float("inf")
+        self.has_entropy = False
+
+    def add(self, loss: torch.Tensor, terms: TokenTerms, advantages: torch.Tensor, mask: torch.Tensor,
+            cfg: LossConfig, entropy: torch.Tensor | None = None) -> None:
+        import torch
+
+        with torch.no_grad():
+            on = mask > 0
+            m = on.to(torch.float32)
+            adv = advantages.unsqueeze(1)
+            s = self.sums
+            s["loss"] += float(loss.detach())
+            s["tokens"] += float(m.sum())
+            s["clip_low"] += float(((terms.ratio < 1.0 - cfg.epsilon) & (adv < 0) & on).sum())
+            s["clip_high"] += float(((terms.ratio > 1.0 + cfg.epsilon_high) & (adv > 0) & on).sum())
+            s["ratio"] += float((terms.behaviour * m).sum())
+            s["weight"] += float((terms.weight * m).sum())
+            s["truncated"] += float((terms.truncated * m).sum())
+            if terms.kl is not None:
+                s["kl"] += float((terms.kl * m).sum())
+            if entropy is not None:
+                self.has_entropy = True
+                s["entropy"] += float((entropy * m).sum())
+            if bool(on.any()):
+                self.ratio_max = max(self.ratio_max, float(terms.behaviour[on].max()))
+                self.ratio_min = min(self.ratio_min, float(terms.behaviour[on].min()))
+
+    def as_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(sums, [max], [min]) as float64 tensors, for SUM / MAX / MIN all-reduces."""
+        import torch
+
+        sums = torch.tensor([self.sums[k] for k in self.SUMS] + [float(self.has_entropy)], dtype=torch.float64)
+        return sums, torch.tensor([self.ratio_max], dtype=torch.float64), torch.tensor([self.ratio_min],
+                                                                                         dtype=torch.float64)
+
+    def load_tensors(self, sums, hi, lo) -> None:
+        values = sums.tolist()
+        self.sums = dict(zip(self.SUMS, values[:-1]))
+        self.has_entropy = values[-1] > 0
+        self.ratio_max, self.ratio_min = float(hi[0]), float(lo[0])
+
+    def stats(self, loss=None) -> LossStats:
+        s = self.sums
+        n = max(1.0, s["tokens"])
+        empty = s["tokens"] == 0
+        return LossStats(
+            loss=loss if loss is not None else s["loss"],
+            clip_fraction=(s["clip_low"] + s["clip_high"]) / n,
+            ratio_mean=1.0 if empty else s["ratio"] / n,
+            ratio_max=1.0 if empty else self.ratio_max,
+            ratio_min=1.0 if empty else self.ratio_min,
+            is_weight_mean=s["weight"] / n,
+            is_truncated_fraction=s["truncated"] / n,
+            clip_low_fraction=s["clip_low"] / n,
+            clip_high_fraction=s["clip_high"] / n,
+            kl_mean=s["kl"] / n,
+            entropy_mean=s["entropy"] / n if self.has_entropy else None,
         )
-    return stats
+
+
+def grpo_loss(logps: torch.Tensor, sampling_logps: torch.Tensor, advantages: torch.Tensor,
+              mask: torch.Tensor, cfg: LossConfig, ref_logps: torch.Tensor | None = None,
+              norm: StepNormaliser | None = None) -> LossStats:
+    """logps, sampling_logps, mask (and ref_logps when cfg.beta > 0): [B, T]; advantages: [B].
+
+    The loss of these rows as part of a step normalised by `norm` (default: these rows are the whole step).
+    Returns the scalar loss and statistics."""
+    if norm is None:
+        norm = StepNormaliser(sequences=logps.shape[0], tokens=float(mask.float().sum()))
+    terms = policy_terms(logps, sampling_logps, advantages, mask, cfg, ref_logps)
+    loss = (terms.per_token * token_weights(mask, cfg, norm).to(terms.per_token.dtype)).sum()
+    totals = LossTotals()
+    totals.add(loss, terms, advantages, mask, cfg)
+    return totals.stats(loss)

@@ -122,8 +122,7 @@ class Coordinator:
                                       target_modules=tuple(cfg.lora_targets))
         from .ddp import make_learner  # a DDP learner under torchrun (coordinator/ddp.py)
 
-        self.learner = make_learner(path, self.lora, lr=cfg.lr, loss=cfg.loss, max_staleness=cfg.max_staleness,
-                                    seed=cfg.seed)
+        self.learner = make_learner(path, self.lora, **cfg.learner_kwargs())  # device, dtype, micro-batches...
         self.initial_lora = self.learner.lora_parameters()
         from asyncrl.tasks.sources import open_source
 

@@ -27,12 +27,49 @@ def peft_config(spec: LoraSpec):
                       target_modules=list(spec.target_modules), bias="none", task_type="CAUSAL_LM")
 
 
-def load_base_model(model: str, *, dtype: torch.dtype = torch.float32, revision: str | None = None):
-    """The one loading path for every model: a hub id or a local HF directory."""
+DTYPE_NAMES = ("auto", "bf16", "fp16", "fp32")
+
+
+def resolve_placement(device: str = "auto", dtype: str | torch.dtype = "auto") -> tuple[str, torch.dtype]:
+    """(device, base-weight dtype) from `--device auto|cuda|cuda:N|cpu` and `--dtype auto|bf16|fp16|fp32`.
+
+    auto device = cuda when torch sees a GPU, else cpu; auto dtype = bf16 on a GPU that supports it (fp16 on
+    one that does not), fp32 on CPU. An explicit cuda without a GPU is an error, not a silent CPU run."""
+    if isinstance(dtype, torch.dtype):
+        dtype = {v: k for k, v in TORCH_DTYPES.items()}.get(dtype, str(dtype))
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, not {dtype!r}")
+    device = str(device)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} asked for, but torch {torch.__version__} sees no CUDA device")
+        if device == "cuda":
+            device = f"cuda:{torch.cuda.current_device()}"
+    elif device != "cpu":
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {device!r}")
+    if dtype == "auto":
+        if device == "cpu":
+            dtype = "fp32"
+        else:
+            dtype = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return device, TORCH_DTYPES[dtype]
+
+
+def load_base_model(model: str, *, dtype: torch.dtype = torch.float32, revision: str | None = None,
+                    device: str | None = None):
+    """The one loading path for every model: a hub id or a local HF directory.
+
+    Weights are read straight into `dtype` (a bf16 checkpoint never passes through an fp32 copy:
+    `low_cpu_mem_usage=True` on transformers 4.x, what 5.x always does) and, for a CUDA
+    `device`, straight onto that GPU (`device_map`), not through host RAM in full."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model, revision=revision)
-    base = AutoModelForCausalLM.from_pretrained(model, revision=revision, dtype=dtype)
+    extra = {"device_map": device} if device is not None and str(device).startswith("cuda") else {}
+    extra["low_cpu_mem_usage"] = True
+    base = AutoModelForCausalLM.from_pretrained(model, revision=revision, dtype=dtype, **extra)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return base, tokenizer

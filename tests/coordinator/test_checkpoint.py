@@ -38,8 +38,9 @@ def model_path():
 class Run:
     """One coordinator 'process': learner, board, journal, ingest and checkpointing over run_dir."""
 
-    def __init__(self, run_dir, model_path, every=0, resume=True):
-        self.learner = Learner(model_path, LORA, lr=1e-2, loss=LossConfig(), max_staleness=None, seed=0)
+    def __init__(self, run_dir, model_path, every=0, resume=True, **learner_kwargs):
+        self.learner = Learner(model_path, LORA, lr=1e-2, loss=LossConfig(), max_staleness=None, seed=0,
+                               **learner_kwargs)
         self.board = TaskBoard(open_source("repeat", seed=0), lease_timeout_s=60, max_leases_per_client=16)
         self.journal = IngestJournal(run_dir / "journal")
         self.ingest = Ingest(identity_public_key=COORD.public_key, run_id="r", board=self.board,
@@ -92,6 +93,27 @@ def test_a_restored_learner_continues_bit_for_bit(tmp_path, model_path):
     b.learner.step(synthetic_groups(2, 3))
     pa, pb = a.learner.lora_parameters(), b.learner.lora_parameters()
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+def test_lr_schedule_survives_resume(tmp_path, model_path):
+    """--resume restores the scheduler: warmup + cosine continue where they were, not from step 0."""
+    sched = dict(lr_scheduler="cosine", warmup_steps=2, total_steps=8)
+    a = Run(tmp_path, model_path, **sched)
+    lrs = []
+    for step in range(3):
+        lrs.append(a.learner.step(synthetic_groups(step, 2)).metrics["lr"])
+    assert lrs[0] == 0.0 and 0.0 < lrs[1] < lrs[2] == pytest.approx(1e-2)  # linear warmup to the peak
+    a.ckpt.save()
+    a_next = [a.learner.step(synthetic_groups(3 + k, 2)).metrics["lr"] for k in range(2)]
+    assert a_next[0] > a_next[1] > 0.0  # cosine decay
+
+    b = Run(tmp_path, model_path, **sched)
+    b.ckpt.resume()
+    assert b.learner.scheduler.state_dict()["last_epoch"] == 3
+    b_next = [b.learner.step(synthetic_groups(3 + k, 2)).metrics["lr"] for k in range(2)]
+    assert b_next == a_next
+    fresh = Run(tmp_path / "other", model_path, **sched)  # without the checkpoint it would start over
+    assert fresh.learner.step(synthetic_groups(3, 2)).metrics["lr"] == 0.0
 
 
 def test_retention_atomicity_and_identity_checks(tmp_path, model_path):

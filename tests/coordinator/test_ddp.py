@@ -1,7 +1,9 @@
 """DDP equivalence: 2 CPU processes under torchrun (gloo) train the same adapter as 1 process.
 
-Uneven slices on purpose (5 groups of 3-6 completions over 2 ranks), for the `grpo` (per-sequence)
-and `dapo` (per-token) normalisations: the weighted gradient reduction must make them exact.
+Uneven slices on purpose (5 groups of 3-6 completions over 2 ranks), for the `grpo` (per-sequence),
+`dr_grpo` (constant) and `dapo` (per-token) normalisations, with a KL term, and the DDP side split into
+micro-batches of at most 64 tokens (several per rank, so `no_sync` accumulation is exercised): the global
+step normaliser and the summed all-reduce must make them exact.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from safetensors.torch import load_file
 
 pytestmark = pytest.mark.integration
 
-CHECK = ["-m", "asyncrl.coordinator.ddp_check", "--steps", "3", "--groups-per-step", "5", "--loss-types", "grpo,dapo"]
+LOSSES = ("grpo", "dr_grpo", "dapo")
+CHECK = ["-m", "asyncrl.coordinator.ddp_check", "--steps", "3", "--groups-per-step", "5", "--loss-types",
+         ",".join(LOSSES), "--beta", "0.05"]
 
 
 def test_two_gloo_processes_match_one(procs, tmp_path):
@@ -22,12 +26,12 @@ def test_two_gloo_processes_match_one(procs, tmp_path):
 
     one, two = tmp_path / "one.safetensors", tmp_path / "two.safetensors"
     ddp = procs.start("torchrun", ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                                   *CHECK, "--out", str(two)])
+                                   *CHECK, "--micro-batch-tokens", "64", "--out", str(two)])
     assert ddp_check.main([*CHECK[2:], "--out", str(one)]) == 0  # the 1-process result, meanwhile, in-process
     assert ddp.wait(300) == 0, ddp.log_path.read_text()[-3000:]
     a, b = load_file(str(one)), load_file(str(two))
     assert set(a) == set(b) and len(a) > 0
-    for loss_type in ("grpo", "dapo"):
+    for loss_type in LOSSES:
         keys = [k for k in a if k.startswith(loss_type + "/")]
         moved = max(float(a[k].abs().max()) for k in keys if "lora_B" in k)
         assert moved > 1e-3, "training did not move the adapter"
