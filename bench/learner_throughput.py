@@ -18,6 +18,12 @@ ratio is reported next to it as `ratio_wall`. On CUDA, `ratio` is wall-clock (sy
     .venv/bin/python bench/learner_throughput.py --json-out runs/bench/learner_throughput.json
     python bench/learner_throughput.py --device cuda --shape qwen2.5-1.5b   # 8 x 1024 tokens, bf16
 
+On CUDA it also reports each side's peak GPU memory (`torch.cuda.max_memory_allocated` over one step
+after a reset) and MFU: tokens/s x FLOPs per token / the GPU's dense bf16 peak (`--peak-tflops`, or a
+table of common GPUs by name). FLOPs per token for a LoRA step = 4N (forward 2N, backward through the frozen
+weights 2N: no weight gradients) + the attention score terms (3 x 4 x layers x context x hidden) + the LM head
+(2 x 3 x hidden x vocab with our recompute); `mfu_6n` uses the usual full-fine-tuning 6N convention.
+
 `--shape qwen2.5-1.5b` writes a randomly initialised model with Qwen2.5-1.5B's shapes (28 layers,
 hidden 1536, vocab 151936; about 3 GB in bf16) to a temp dir once and loads it through the same
 `from_pretrained` path as any model.
@@ -64,6 +70,27 @@ def model_path(shape: str) -> str:
     return str(path)
 
 
+PEAK_BF16_TFLOPS = {"H200": 989, "H100": 989, "H800": 989, "A100": 312, "A800": 312, "L40S": 362, "L40": 181,
+                    "RTX 4090": 165, "RTX 3090": 71, "A10G": 125, "A10": 125, "L4": 121}
+
+
+def peak_flops(name: str) -> float | None:
+    for key, tflops in PEAK_BF16_TFLOPS.items():
+        if key in name:
+            return tflops * 1e12
+    return None
+
+
+def flops_per_token(cfg, context: float) -> dict[str, float]:
+    """Matmul FLOPs per trained token (see the module docstring): LoRA step and the 6N convention."""
+    h, layers, vocab = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
+    kv = h * cfg.num_key_value_heads // cfg.num_attention_heads
+    body = layers * (2 * h * h + 2 * h * kv + 3 * h * cfg.intermediate_size)  # q, o, k, v, gate/up/down
+    attention = 3 * 4 * layers * (context / 2) * h  # QK^T and AV (causal: half the row), fwd + 2x bwd
+    head = 2 * 3 * h * vocab                  # forward, recompute, gradient
+    return {"lora": 4 * body + attention + head, "6n": 6 * (body + h * vocab) + attention}
+
+
 def make_batches(n: int, spec: dict, vocab: int, seed: int):
     """Fixed random batches of TrainGroups (varied completion lengths so padding is real)."""
     from asyncrl.coordinator.learner import TrainGroup
@@ -101,7 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json-out", default="runs/bench/learner_throughput.json")
     p.add_argument("--device", default="cpu")
     p.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
-    p.add_argument("--dtype", default=None, choices=["fp32", "bf16"], help="default: fp32 on cpu, bf16 on cuda")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="base weights (auto: fp32 on cpu, bf16 on cuda); LoRA and AdamW stay fp32")
+    p.add_argument("--micro-batch-tokens", type=int, default=8192)
+    p.add_argument("--gradient-checkpointing", action="store_true", help="(the bare loop never checkpoints)")
+    p.add_argument("--peak-tflops", type=float, default=0.0, help="GPU dense bf16 peak for MFU (0 = by name)")
     p.add_argument("--batches", type=int, default=8)
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--threads", type=int, default=1)
@@ -113,17 +144,18 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.coordinator.config import LORA_TARGETS
     from asyncrl.coordinator.learner import Learner
     from asyncrl.coordinator.loss import LossConfig
-    from asyncrl.models.lora import load_base_model, with_lora
+    from asyncrl.models.lora import load_base_model, resolve_placement, with_lora
     from asyncrl.protocol.messages import LoraSpec
 
     torch.set_num_threads(a.threads)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype or ("bf16" if a.device.startswith("cuda") else "fp32")]
+    a.device, dtype = resolve_placement(a.device, a.dtype)
     spec = SHAPES[a.shape]
     path = model_path(a.shape)
     lora = LoraSpec(r=spec["lora_r"], alpha=2.0 * spec["lora_r"], dropout=0.0, target_modules=LORA_TARGETS)
     learner = Learner(path, lora, lr=1e-4, loss=LossConfig(max_completion_length=spec["completion_len"]),
-                      max_staleness=None, seed=a.seed, device=a.device, dtype=dtype)
-    base, _ = load_base_model(path, dtype=dtype)
+                      max_staleness=None, seed=a.seed, device=a.device, dtype=dtype,
+                      micro_batch_tokens=a.micro_batch_tokens, gradient_checkpointing=a.gradient_checkpointing)
+    base, _ = load_base_model(path, dtype=dtype, device=a.device)
     bare = with_lora(base, lora, seed=a.seed).to(a.device).train()
     bare_opt = torch.optim.AdamW([q for q in bare.parameters() if q.requires_grad], lr=1e-4)
     batches = make_batches(a.batches, spec, learner.vocab_size, a.seed)
@@ -155,6 +187,15 @@ def main(argv: list[str] | None = None) -> int:
 
     learner.step(batches[0])  # warm-up (allocator, kernels)
     bare_step(bare, bare_opt, collated[0])
+    peaks = {}
+    if a.device.startswith("cuda"):  # each side's peak over one step, from a reset
+        for side, fn in (("learner", lambda: learner.step(batches[0])),
+                         ("bare", lambda: bare_step(bare, bare_opt, collated[0]))):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            fn()
+            torch.cuda.synchronize()
+            peaks[side] = torch.cuda.max_memory_allocated()
     learner_tps, bare_tps = [], []  # per round: (tokens / wall s, tokens / cpu s)
     for r in range(a.rounds):
         lw = lc = bw = bc = 0.0
@@ -192,6 +233,17 @@ def main(argv: list[str] | None = None) -> int:
         out["bare_tokens_per_cpu_s"] = statistics.median(x[1] for x in bare_tps)
     out["ratio"] = out["ratio_cpu_time"] if on_cpu else out["ratio_wall"]
     out["goal_ratio_min"] = 0.70
+    out["micro_batch_tokens"], out["gradient_checkpointing"] = a.micro_batch_tokens, a.gradient_checkpointing
+    out["load_average"] = os.getloadavg()
+    if not on_cpu:
+        out["gpu"] = torch.cuda.get_device_name()
+        out["learner_peak_gpu_bytes"], out["bare_peak_gpu_bytes"] = peaks["learner"], peaks["bare"]
+        flops = flops_per_token(learner.model.config, tokens / (a.batches * out["rows_per_batch"]))
+        peak = a.peak_tflops * 1e12 or peak_flops(out["gpu"])
+        out["flops_per_token"], out["peak_flops"] = flops, peak
+        out["mfu"] = out["learner_tokens_per_s"] * flops["lora"] / peak if peak else None
+        out["mfu_6n"] = out["learner_tokens_per_s"] * flops["6n"] / peak if peak else None
+        out["bare_mfu"] = out["bare_tokens_per_s"] * flops["lora"] / peak if peak else None
     Path(a.json_out).parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(a.json_out, out, indent=2)
     print(json.dumps({k: v for k, v in out.items() if not k.endswith("_rounds")}, indent=2))

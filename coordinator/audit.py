@@ -11,9 +11,10 @@ Who is audited (BOINC adaptive replication): an identity with n accepted batches
 strike is audited with probability max(`floor`, 1/n); with n == 0 (no track record) always.
 
 How, cheapest first:
-  * claimed version == the learner's current version: the check is deferred to train time and reuses
-    the learner's own forward pass (`train_hook`, called by `Learner.step` between the forward pass and
-    `backward()`): no extra compute, and a failing batch is dropped before its gradient is applied.
+  * claimed version == the learner's current version: the check is deferred to train time on the
+    learner's own model (`train_hook`, called by `Learner.step` with the log-probs of a no-grad pass over
+    the audited groups, before the step's first micro-batch): a failing batch is dropped before any
+    gradient exists and the step trains the rest (cost: one forward of the audited rows).
     Valid only while the learner's weights still equal that version (no optimizer step since it was
     published) and LoRA dropout is 0; otherwise the shadow model below is used, still at train time.
   * claimed version older than current (but held): recomputed at ingest on a *shadow model*, a copy of
@@ -110,7 +111,8 @@ class Auditor:
     def from_config(cls, cfg, learner) -> "Auditor":
         keep = (cfg.max_staleness + 1) if cfg.max_staleness is not None else 8
         return cls(learner, tolerance=cfg.audit_tolerance, floor=cfg.audit_floor, keep_versions=keep,
-                   seed=cfg.seed, enabled=cfg.audit, lora_dropout=cfg.lora_dropout, max_staleness=cfg.max_staleness)
+                   seed=cfg.seed, lora_dropout=cfg.lora_dropout, max_staleness=cfg.max_staleness,
+                   enabled=cfg.audit and not getattr(learner, "sharded", False))  # FSDP: a shadow pass needs every rank
 
     def attach(self, ingest) -> None:
         """Wire the two ends: ingest calls `check`, the learner calls `train_hook`, verdicts go to ingest."""

@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     lrn.add_argument("--device", help=f"auto|cuda|cuda:N|cpu (default {d.device}: cuda when present)")
     lrn.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"],
                      help=f"base weights (default {d.dtype}: bf16 on GPU, fp32 on CPU); LoRA + AdamW stay fp32")
+    lrn.add_argument("--parallel", choices=["ddp", "fsdp"],
+                     help=f"under torchrun: replicate (ddp) or shard the base with FSDP2 (default {d.parallel})")
     lrn.add_argument("--micro-batch-tokens", type=int,
                      help=f"padded tokens per forward/backward micro-batch (default {d.micro_batch_tokens})")
     lrn.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction,

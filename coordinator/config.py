@@ -71,6 +71,9 @@ class CoordinatorConfig:
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     """Base-model weights: auto = bf16 on a GPU (fp16 where bf16 is unsupported), fp32 on CPU. The LoRA
     weights and the optimizer state are fp32 whatever this says."""
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    """Under torchrun / accelerate (WORLD_SIZE > 1): ddp replicates the model on every rank; fsdp shards the
+    frozen base weights over the ranks with FSDP2 (for base models that do not fit one GPU)."""
     micro_batch_tokens: int = 8192
     """Padded tokens (prompt + completion) per forward/backward micro-batch; a step accumulates exactly
     over as many as it needs. 8192 with gradient checkpointing fits a 1.5B model on a 24 GB GPU and 7B on 80 GB."""
@@ -227,6 +230,7 @@ class CoordinatorConfig:
             (self.device in ("auto", "cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit()),
              "device must be auto, cpu, cuda or cuda:N"),
             (self.dtype in ("auto", "bf16", "fp16", "fp32"), "dtype must be auto, bf16, fp16 or fp32"),
+            (self.parallel in ("ddp", "fsdp"), "parallel must be ddp or fsdp"),
             (64 <= self.micro_batch_tokens <= 1 << 24, "micro_batch_tokens must be in [64, 16777216]"),
             (self.lr_scheduler in ("constant", "cosine", "linear"), "lr_scheduler must be constant, cosine or linear"),
             (self.lr_scheduler == "constant" or self.max_steps > 0, "lr_scheduler cosine/linear needs max_steps > 0"),
@@ -290,7 +294,7 @@ class CoordinatorConfig:
         return {"lr": self.lr, "loss": self.loss, "max_staleness": self.max_staleness, "seed": self.seed,
                 "device": self.device, "dtype": self.dtype, "micro_batch_tokens": self.micro_batch_tokens,
                 "gradient_checkpointing": self.gradient_checkpointing, "lr_scheduler": self.lr_scheduler,
-                "warmup_steps": self.warmup_steps, "total_steps": self.max_steps}
+                "warmup_steps": self.warmup_steps, "total_steps": self.max_steps, "parallel": self.parallel}
 
     def to_json(self) -> str:
         def default(o: Any):

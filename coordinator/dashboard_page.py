@@ -180,7 +180,9 @@ function render(d) {
   if (P.superseded) ptext += " · " + P.superseded + " superseded";
   set("published", ptext);
   set("steps", L.steps);
-  set("steps_sub", run.max_steps ? "of " + run.max_steps : "until stopped");
+  set("steps_sub", (run.max_steps ? "of " + run.max_steps : "until stopped") +
+      (st.last_step ? " · grad norm " + fmt(st.last_step.grad_norm) + " · entropy " + fmt(st.last_step.entropy) +
+       " · " + fmt(st.last_step.tokens_per_s, 0) + " tok/s" : ""));
   const last = st.last_step;
   set("reward", last ? fmt(last.reward) : "–");
   set("reward_sub", st.reward_moving_avg === null ? "" : "moving avg (" + st.smooth_window + ") " + fmt(st.reward_moving_avg));

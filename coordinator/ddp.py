@@ -50,18 +50,27 @@ def _sum_hook(state, bucket):
     return fut.then(lambda f: f.value()[0])
 
 
+def _join_process_group(learner) -> bool:
+    """Pin this rank's GPU, join the process group (nccl on CUDA, gloo on CPU); True on CUDA."""
+    cuda = str(learner.device).startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(torch.device(learner.device))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    learner.rank, learner.world = dist.get_rank(), dist.get_world_size()
+    return cuda
+
+
 class DistributedLearner(Learner):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        cuda = str(self.device).startswith("cuda")
-        if cuda:
-            torch.cuda.set_device(torch.device(self.device))
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if cuda else "gloo")
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        cuda = _join_process_group(self)
         from torch.nn.parallel import DistributedDataParallel
 
-        self.ddp = DistributedDataParallel(self.scorer, device_ids=[torch.device(self.device).index] if cuda else None)
+        # broadcast_buffers=False: the only buffers (rotary tables) are identical everywhere, and ranks may run
+        # different numbers of micro-batches, so a per-forward buffer broadcast would pair up mismatched calls.
+        self.ddp = DistributedDataParallel(self.scorer, device_ids=[torch.device(self.device).index] if cuda else None,
+                                           broadcast_buffers=False)
         self.ddp.register_comm_hook(None, _sum_hook)
 
     # The generation audit would see only this rank's slice (and could leave a rank out of an all-reduce).
@@ -138,6 +147,57 @@ class DistributedLearner(Learner):
         return torch.device(self.device) if str(self.device).startswith("cuda") else torch.device("cpu")
 
 
+class ShardedLearner(DistributedLearner):
+    """FSDP2 (`torch.distributed.fsdp.fully_shard`) for base models that do not fit one GPU: every decoder
+    layer and the scorer root are sharded over the ranks, so each holds 1/world of the frozen base weights
+    (all-gathered layer by layer in forward and again in backward). The LoRA parameters are FSDP's
+    `ignored_params`: replicated plain tensors on every rank, so optimizer, export, checkpoints and
+    publishing are unchanged; their gradients are summed with one all-reduce per step (`_finish_gradients`).
+    Every rank runs the same number of micro-batches (the most any rank needs; extra ones count 0), since
+    each forward is a sequence of collectives. The base model is loaded on the host and sharded onto the
+    device. Under FSDP the ingest-time audit is off too (its shadow forward would need every rank)."""
+
+    sharded = True
+
+    def __init__(self, *args, **kwargs):
+        Learner.__init__(self, *args, **kwargs)  # not DistributedLearner's: no DDP wrapper
+
+    def _load_device(self) -> str:
+        return "cpu"
+
+    def _prepare_model(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        cuda = _join_process_group(self)
+        mesh = init_device_mesh("cuda" if cuda else "cpu", (self.world,))
+        lora = {p for p in self.model.parameters() if p.requires_grad}
+        for layer in self.model.get_base_model().get_decoder().layers:
+            fully_shard(layer, mesh=mesh, ignored_params=lora)
+        fully_shard(self.scorer, mesh=mesh, ignored_params=lora)
+        for p in lora:
+            p.data = p.data.to(self.device)
+        self.ddp = self.scorer  # the sharded module: every forward goes through it
+
+    def _sync(self, last: bool):
+        return nullcontext()
+
+    def _micro_batch_count(self, n: int) -> int:
+        t = torch.tensor([n], dtype=torch.int64, device=self._comm_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def _finish_gradients(self) -> None:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)  # a sum: each rank's loss is already divided by the global normaliser
+        offset = 0
+        for p, g in zip(params, grads):
+            p.grad = flat[offset:offset + g.numel()].view_as(g)
+            offset += g.numel()
+
+
 def local_device(device: str) -> str:
     """This rank's device under torchrun: cuda (and auto with a GPU) become cuda:LOCAL_RANK."""
     if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
@@ -145,12 +205,16 @@ def local_device(device: str) -> str:
     return device
 
 
-def make_learner(*args, **kwargs) -> Learner:
-    """A plain Learner, or a DistributedLearner when launched with WORLD_SIZE > 1 (device "cuda" then
-    means this rank's GPU, cuda:LOCAL_RANK)."""
+def make_learner(*args, parallel: str = "ddp", **kwargs) -> Learner:
+    """A plain Learner, or under torchrun (WORLD_SIZE > 1) a DistributedLearner (parallel="ddp") or a
+    ShardedLearner ("fsdp"); device "cuda" (or auto with a GPU) then means this rank's GPU, cuda:LOCAL_RANK."""
     if world()[1] == 1:
         return Learner(*args, **kwargs)
     kwargs["device"] = local_device(str(kwargs.get("device", "cpu")))
+    if parallel == "fsdp":
+        return ShardedLearner(*args, **kwargs)
+    if parallel != "ddp":
+        raise ValueError(f"parallel must be ddp or fsdp, not {parallel!r}")
     return DistributedLearner(*args, **kwargs)
 
 

@@ -7,6 +7,7 @@ resulting LoRA parameters to `--out` as safetensors, keyed `<loss type>/<paramet
 
     python -m asyncrl.coordinator.ddp_check --out /tmp/one.safetensors
     torchrun --standalone --nproc-per-node 2 -m asyncrl.coordinator.ddp_check --out /tmp/two.safetensors
+    torchrun --standalone --nproc-per-node 2 -m asyncrl.coordinator.ddp_check --parallel fsdp --out /tmp/fsdp.safetensors
     python -m asyncrl.coordinator.ddp_check --compare /tmp/one.safetensors /tmp/two.safetensors
 
 tests/coordinator/test_ddp.py runs exactly these three commands.
@@ -38,7 +39,7 @@ def synthetic_groups(step: int, n_groups: int, seed: int = 0):
 
 
 def run(out: str, *, steps: int, groups_per_step: int, loss_types: list[str], seed: int,
-        micro_batch_tokens: int = 8192, beta: float = 0.0) -> None:
+        micro_batch_tokens: int = 8192, beta: float = 0.0, parallel: str = "ddp", dtype: str = "fp32") -> None:
     import torch
     from safetensors.torch import save_file
 
@@ -54,7 +55,8 @@ def run(out: str, *, steps: int, groups_per_step: int, loss_types: list[str], se
     result = {}
     for loss_type in loss_types:
         learner = make_learner(path, lora, lr=1e-2, loss=LossConfig(loss_type=loss_type, beta=beta),
-                               max_staleness=None, seed=seed, micro_batch_tokens=micro_batch_tokens)
+                               max_staleness=None, seed=seed, micro_batch_tokens=micro_batch_tokens,
+                               parallel=parallel, dtype=dtype)
         for step in range(steps):  # every rank calls step(); rank 0's groups are the ones broadcast
             learner.step(synthetic_groups(step, groups_per_step, seed))
         for name, value in learner.lora_parameters().items():
@@ -87,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch-tokens", type=int, default=8192,
                    help="small values split each rank's slice into several micro-batches (no_sync path)")
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (adds the reference pass)")
+    p.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp", help="under torchrun: DDP or FSDP2")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="base weights")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two --out files instead")
     # Gradients agree to ~1e-7 relative; AdamW then divides by sqrt(v) + eps, so a coordinate whose
     # gradient is ~1e-9 moves by about +-lr either way: a few such coordinates differ by up to ~lr/30.
@@ -98,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--out is required")
     run(args.out, steps=args.steps, groups_per_step=args.groups_per_step,
         loss_types=[t for t in args.loss_types.split(",") if t], seed=args.seed,
-        micro_batch_tokens=args.micro_batch_tokens, beta=args.beta)
+        micro_batch_tokens=args.micro_batch_tokens, beta=args.beta, parallel=args.parallel, dtype=args.dtype)
     return 0
 
 

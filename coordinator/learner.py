@@ -118,15 +118,17 @@ class Learner:
         from asyncrl.models.logprobs import CompletionScorer
 
         self.device, self.dtype = resolve_placement(device, dtype)
-        base, self.tokenizer = load_base_model(model, dtype=self.dtype, device=self.device)
+        load_on = self._load_device()
+        base, self.tokenizer = load_base_model(model, dtype=self.dtype, device=load_on)
         if gradient_checkpointing:  # non-reentrant: gradients reach the LoRA weights without input grads
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.model = with_lora(base, lora, seed=seed).to(self.device)
+        self.model = with_lora(base, lora, seed=seed).to(load_on)
         for p in self.model.parameters():  # fp32 master weights (PEFT's adapter autocast does this too)
             if p.requires_grad and p.dtype != torch.float32:
                 p.data = p.data.float()
         self.model.train()
         self.scorer = CompletionScorer(self.model)
+        self._prepare_model()  # FSDP shards the base here (coordinator/ddp.py)
         self.loss_cfg = loss
         self.max_staleness = max_staleness
         self.max_grad_norm = max_grad_norm
@@ -179,9 +181,12 @@ class Learner:
         plan = plan_micro_batches([len(r.ids) for r in mine], self.micro_batch_tokens)
         totals = LossTotals()
         tokens = 0
+        n_real = len(plan)
+        plan = plan + [plan[-1]] * (self._micro_batch_count(len(plan)) - len(plan))
         self.optimizer.zero_grad(set_to_none=True)
         for k, idx in enumerate(plan):
             batch = self._collate_rows([mine[i] for i in idx])
+            part = scale if k < n_real else 0.0  # padding micro-batches (FSDP: same count on every rank) count 0
             with self._sync(last=k == len(plan) - 1):
                 out = self._forward(batch)
                 ref = None
@@ -191,10 +196,11 @@ class Learner:
                 terms = policy_terms(out.logps, batch["sampling_logps"], batch["adv"], batch["mask"],
                                      self.loss_cfg, ref_logps=ref)
                 loss = (terms.per_token * token_weights(batch["mask"], self.loss_cfg, norm)).sum()
-                (loss * scale).backward()
-            if scale:
+                (loss * part).backward()
+            if part:
                 totals.add(loss, terms, batch["adv"], batch["mask"], self.loss_cfg, out.entropy)
                 tokens += int(batch["attn"].sum())
+        self._finish_gradients()
         totals = self._reduce(totals)
         params = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
@@ -223,11 +229,24 @@ class Learner:
             tokens=tokens,
             metrics={**stats.metrics(), "staleness_hist": hist, "staleness_max": max(staleness),
                      "staleness_mean": sum(staleness) / len(staleness), "groups_dropped_stale": dropped,
-                     "grad_norm": grad_norm, "lr": lr, "micro_batches": len(plan),
+                     "grad_norm": grad_norm, "lr": lr, "micro_batches": n_real,
                      "tokens_per_s": tokens / seconds if seconds > 0 else 0.0},
         )
 
-    # ---- seams DistributedLearner overrides -----------------------------------------------------------
+    # ---- seams DistributedLearner / ShardedLearner override (coordinator/ddp.py) --------------------------
+    def _load_device(self) -> str:
+        return self.device
+
+    def _prepare_model(self) -> None:
+        pass
+
+    def _micro_batch_count(self, n: int) -> int:
+        """How many micro-batches this rank runs (FSDP: the most any rank needs; extras count 0)."""
+        return n
+
+    def _finish_gradients(self) -> None:
+        pass
+
     def _local_rows(self, rows: list[Row]) -> tuple[list[Row], float]:
         """The rows this process trains, and the factor on their loss (0 for a placeholder)."""
         return rows, 1.0

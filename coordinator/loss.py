@@ -30,8 +30,16 @@ Variant (and sources):
   low (ratio < 1 - epsilon with A < 0) and high (ratio > 1 + epsilon_high with A > 0) against the
   objective's ratio; IS weight mean and the fraction of tokens whose weight hit the cap.
 
+Structure (what micro-batching and the off-policy corrections build on):
+  `policy_terms`   the objective *per token* (ratio, clip, IS weight, KL) — a function of each row alone;
+  `token_weights`  the normalisation: each token's coefficient from its row and the step-wide counts in a
+                   `StepNormaliser` (rows, trained tokens of the whole step, every micro-batch and rank);
+  `LossTotals`     statistics as sums and counts, added per micro-batch (and all-reduced under DDP).
+A micro-batch's loss is sum(policy_terms.per_token * token_weights): the pieces add up to the full-batch
+loss exactly (docs/learner.md). `grpo_loss` is the one-batch composition of the three.
+
 Everything here is pure tensor math on padded [B, T] tensors so it can be unit-tested against
-hand-computed values (tests/coordinator/test_loss.py).
+hand-computed values (tests/coordinator/test_loss.py, tests/coordinator/test_microbatch.py).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ adapter_versions_published_total, adapter_publish_bytes_total{kind}, adapter_las
 adapter_published_version, adapter_versions_superseded_total, adapter_publish_queue_depth,
 adapter_publish_latency_seconds, adapter_publish_in_flight_seconds,
 learner_reward_mean, learner_reward_moving_avg, learner_loss, learner_clip_fraction, learner_step_seconds,
+learner_grad_norm, learner_token_entropy, learner_lr, learner_step_tokens_per_second,
 learner_staleness_versions (histogram over trained groups), learner_groups_trained_total,
 learner_groups_dropped_stale_total, learner_queued_groups, learner_tokens_per_second, swarm_batches_accepted_total,
 swarm_batches_rejected_total{code}, swarm_rollouts_total, swarm_rollouts_per_second,
@@ -72,7 +73,9 @@ class RunStats:
                     "staleness_mean": sum(stale) / len(stale) if stale else 0.0,
                     "staleness_max": max(stale) if stale else 0,
                     "groups": fields.get("groups", 0), "clip_fraction": fields.get("clip_fraction"),
-                    "seconds": fields.get("seconds")})
+                    "seconds": fields.get("seconds"), "grad_norm": fields.get("grad_norm"),
+                    "entropy": fields.get("entropy_mean"), "lr": fields.get("lr"),
+                    "tokens_per_s": fields.get("tokens_per_s")})
                 self.groups_trained += fields.get("groups", 0)
                 self.groups_dropped_stale += fields.get("dropped_stale", 0)
                 self.staleness_counts.update(stale)
@@ -194,6 +197,12 @@ class SwarmCollector:
         yield gauge("learner_loss", "Loss of the latest step.", last.get("loss"))
         yield gauge("learner_clip_fraction", "Fraction of tokens clipped in the latest step.", last.get("clip_fraction"))
         yield gauge("learner_step_seconds", "Wall time of the latest optimizer step.", last.get("seconds"))
+        yield gauge("learner_grad_norm", "Gradient norm of the latest step, before clipping.", last.get("grad_norm"))
+        yield gauge("learner_token_entropy", "Mean policy entropy (nats) over the latest step's completion tokens.",
+                    last.get("entropy"))
+        yield gauge("learner_lr", "Learning rate used by the latest step.", last.get("lr"))
+        yield gauge("learner_step_tokens_per_second", "Tokens (prompt + completion) through forward and backward "
+                    "per second of the latest step.", last.get("tokens_per_s"))
         hist = HistogramMetricFamily("asyncrl_learner_staleness_versions",
                                      "Staleness (versions behind) of each trained group.")
         counts = {int(k): v for k, v in stats["staleness_counts"].items()}

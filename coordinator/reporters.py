@@ -6,7 +6,8 @@ A tracker that fails mid-run is switched off with one warning: metrics.jsonl sta
 truth, and a tracker must never stop training.
 
 Each `step` event becomes one logged row at that optimizer step (reward, loss, staleness, clip
-fraction, step time, adapter version and the latest publish size).
+fraction, step time, grad norm, token entropy, learning rate, step tokens/s, adapter version and the
+latest publish size).
 
     asyncrl-coordinator run --config coordinator.toml --report-to tensorboard,wandb
 """
@@ -40,6 +41,8 @@ def _row(fields: dict, last_publish_bytes: int | None) -> dict[str, float]:
            "clip_fraction": fields.get("clip_fraction"), "step_seconds": fields.get("seconds"),
            "groups": fields.get("groups"), "dropped_stale": fields.get("dropped_stale"),
            "staleness_mean": sum(stale) / len(stale) if stale else 0.0, "adapter_version": fields.get("version"),
+           "grad_norm": fields.get("grad_norm"), "entropy": fields.get("entropy_mean"), "lr": fields.get("lr"),
+           "tokens_per_s": fields.get("tokens_per_s"),
            "publish_bytes": last_publish_bytes}
     return {k: float(v) for k, v in row.items() if v is not None}
 

@@ -1,9 +1,11 @@
-"""DDP equivalence: 2 CPU processes under torchrun (gloo) train the same adapter as 1 process.
+"""Data-parallel equivalence: 2 CPU processes under torchrun (gloo) train the same adapter as 1 process,
+with DDP and with FSDP2 (`fully_shard` of the base, which torch 2.13 runs on CPU/gloo).
 
 Uneven slices on purpose (5 groups of 3-6 completions over 2 ranks), for the `grpo` (per-sequence),
-`dr_grpo` (constant) and `dapo` (per-token) normalisations, with a KL term, and the DDP side split into
-micro-batches of at most 64 tokens (several per rank, so `no_sync` accumulation is exercised): the global
-step normaliser and the summed all-reduce must make them exact.
+`dr_grpo` (constant) and `dapo` (per-token) normalisations, with a KL term, and the 2-process side split into
+micro-batches of at most 64 tokens (several per rank, different counts per rank, so `no_sync`
+accumulation and FSDP's equal-count padding are exercised): the global step normaliser and the summed
+gradient reduction must make them exact.
 """
 
 from __future__ import annotations
@@ -21,15 +23,22 @@ CHECK = ["-m", "asyncrl.coordinator.ddp_check", "--steps", "3", "--groups-per-st
          ",".join(LOSSES), "--beta", "0.05"]
 
 
-def test_two_gloo_processes_match_one(procs, tmp_path):
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
     from asyncrl.coordinator import ddp_check
 
-    one, two = tmp_path / "one.safetensors", tmp_path / "two.safetensors"
-    ddp = procs.start("torchrun", ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                                   *CHECK, "--micro-batch-tokens", "64", "--out", str(two)])
-    assert ddp_check.main([*CHECK[2:], "--out", str(one)]) == 0  # the 1-process result, meanwhile, in-process
-    assert ddp.wait(300) == 0, ddp.log_path.read_text()[-3000:]
-    a, b = load_file(str(one)), load_file(str(two))
+    one = tmp_path_factory.mktemp("one") / "one.safetensors"
+    assert ddp_check.main([*CHECK[2:], "--out", str(one)]) == 0
+    return one
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_gloo_processes_match_one(procs, tmp_path, one_process, parallel):
+    two = tmp_path / "two.safetensors"
+    run = procs.start("torchrun", ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                                   *CHECK, "--micro-batch-tokens", "64", "--parallel", parallel, "--out", str(two)])
+    assert run.wait(300) == 0, run.log_path.read_text()[-3000:]
+    a, b = load_file(str(one_process)), load_file(str(two))
     assert set(a) == set(b) and len(a) > 0
     for loss_type in LOSSES:
         keys = [k for k in a if k.startswith(loss_type + "/")]
@@ -37,5 +46,5 @@ def test_two_gloo_processes_match_one(procs, tmp_path):
         assert moved > 1e-3, "training did not move the adapter"
         diff = max(float((a[k] - b[k]).abs().max()) for k in keys)
         assert diff <= 1e-3, (loss_type, diff)  # see ddp_check --atol: AdamW amplifies ~1e-9 gradients
-    assert subprocess.run([sys.executable, "-m", "asyncrl.coordinator.ddp_check", "--compare", str(one), str(two)],
-                          capture_output=True).returncode == 0
+    assert subprocess.run([sys.executable, "-m", "asyncrl.coordinator.ddp_check", "--compare", str(one_process),
+                           str(two)], capture_output=True).returncode == 0

@@ -27,7 +27,8 @@ def feed(stats: RunStats, clock: FakeClock) -> None:
         stats.observe("batch", {"t": clock.t, "client": "bob", "groups": 1, "version": step - 1})
         stats.observe("step", {"t": clock.t, "step": step, "version": step - 1, "reward_mean": 0.1 * step,
                                "loss": -0.5, "groups": 3, "dropped_stale": 0, "staleness": [0, 1, 2],
-                               "clip_fraction": 0.1, "seconds": 0.2, "tokens": 20})
+                               "clip_fraction": 0.1, "seconds": 0.2, "tokens": 20, "grad_norm": 0.5 * step,
+                               "entropy_mean": 2.0, "lr": 1e-3, "tokens_per_s": 100.0})
         stats.observe("publish", {"t": clock.t, "version": step, "codec": "d", "compressed_bytes": 10,
                                   "raw_bytes": 400})
     stats.observe("dropped", {"t": clock.t, "groups": 2, "reason": "stale"})
@@ -134,6 +135,10 @@ def test_prometheus_exposition_has_learner_and_swarm_metrics():
     assert samples[("asyncrl_swarm_batches_rejected_total", (("code", "NONCE_REUSED"),))] == 1
     assert samples[("asyncrl_swarm_rollouts_total", ())] == 36
     assert samples[("asyncrl_learner_tokens_per_second", ())] == pytest.approx(1.0)
+    assert samples[("asyncrl_learner_grad_norm", ())] == pytest.approx(1.5)  # the latest step's
+    assert samples[("asyncrl_learner_token_entropy", ())] == pytest.approx(2.0)
+    assert samples[("asyncrl_learner_lr", ())] == pytest.approx(1e-3)
+    assert samples[("asyncrl_learner_step_tokens_per_second", ())] == pytest.approx(100.0)
     assert samples[("asyncrl_swarm_volunteers", (("state", "live"),))] == 2
     assert samples[("asyncrl_swarm_volunteer_version_lag", (("fingerprint", "aa"), ("volunteer", "alice")))] == 1
     assert samples[("asyncrl_leases", (("state", "outstanding"),))] == 2
@@ -162,6 +167,25 @@ class BrokenSink:
     def log(self, row, step):
         self.calls += 1
         raise RuntimeError("tracker down")
+
+
+class RecordingSink:
+    def __init__(self):
+        self.rows = []
+
+    def log(self, row, step):
+        self.rows.append((step, row))
+
+
+def test_trackers_get_grad_norm_entropy_lr_and_tokens_per_s(tmp_path):
+    reporters = Reporters([], run_dir=tmp_path, run_id="r", config={}, out=lambda s: None)
+    sink = RecordingSink()
+    reporters.sinks["rec"] = (sink.log, lambda: None)
+    reporters.observe("step", {"step": 4, "reward_mean": 0.5, "staleness": [0], "grad_norm": 0.25,
+                               "entropy_mean": 1.5, "lr": 2e-3, "tokens_per_s": 900.0})
+    (step, row), = sink.rows
+    assert step == 4 and row["grad_norm"] == 0.25 and row["entropy"] == 1.5 and row["lr"] == 2e-3
+    assert row["tokens_per_s"] == 900.0
 
 
 def test_a_failing_tracker_is_switched_off(tmp_path):
