@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -58,6 +60,8 @@ def test_step_drops_stale_groups_and_reports_metrics(tiny_path):
                 "clip_high_fraction", "is_weight_mean", "is_truncated_fraction", "kl_mean"):
         assert key in m and m[key] == m[key], key  # present and not NaN
     assert m["ratio_min"] <= m["ratio_mean"] <= m["ratio_max"]
+    assert m["grad_norm"] > 0 and m["tokens_per_s"] > 0 and m["micro_batches"] == 1 and m["lr"] == 1e-2
+    assert 0.0 < m["entropy_mean"] <= math.log(learner.vocab_size)  # nats, at most uniform over the vocabulary
     assert result.tokens == sum(len(g.prompt_ids) * 3 + sum(map(len, g.completions))
                                 for g in _groups(learner, 5, 2) + _groups(learner, 3, 1))
     assert learner.step(_groups(learner, 0, 2)) is None  # everything stale: no step
