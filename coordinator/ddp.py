@@ -18,7 +18,8 @@ One step, on every rank:
   4. loss statistics are summed (SUM / MAX / MIN all-reduces of `LossTotals`), then identical clipping,
      AdamW and scheduler steps everywhere, so the adapters stay identical (rank 0 publishes).
 A rank whose slice is empty still runs forward/backward on one group with its loss times 0 (DDP needs every
-rank in every all-reduce). The train-time generation audit is off under DDP (it would see one slice).
+rank in every all-reduce), and every rank runs as many micro-batches as the busiest one (extras count 0), so
+the wrappers' collectives always pair up. The train-time generation audit is off under DDP (one slice).
 Devices: `--device cuda` (or auto with a GPU) means cuda:LOCAL_RANK on each rank, with NCCL; CPU ranks use gloo.
 
     torchrun --standalone --nproc-per-node 2 -m asyncrl.coordinator.cli run --model tiny ...
@@ -67,8 +68,8 @@ class DistributedLearner(Learner):
         cuda = _join_process_group(self)
         from torch.nn.parallel import DistributedDataParallel
 
-        # broadcast_buffers=False: the only buffers (rotary tables) are identical everywhere, and ranks may run
-        # different numbers of micro-batches, so a per-forward buffer broadcast would pair up mismatched calls.
+        # broadcast_buffers=False: the only buffers (rotary tables) are identical everywhere; a broadcast per
+        # micro-batch forward would only cost time.
         self.ddp = DistributedDataParallel(self.scorer, device_ids=[torch.device(self.device).index] if cuda else None,
                                            broadcast_buffers=False)
         self.ddp.register_comm_hook(None, _sum_hook)
@@ -126,6 +127,14 @@ class DistributedLearner(Learner):
     def _sync(self, last: bool):
         return nullcontext() if last else self.ddp.no_sync()
 
+    def _micro_batch_count(self, n: int) -> int:
+        """The most micro-batches any rank needs: every rank makes the same sequence of forward/backward
+        calls, so whatever the wrapper does collectively in them (FSDP's all-gathers, DDP's bucket rebuild
+        after the first step) pairs up. Extra micro-batches repeat the last one with loss x 0."""
+        t = torch.tensor([n], dtype=torch.int64, device=self._comm_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
     def _forward(self, batch):
         return self.ddp(batch)  # through the DDP wrapper, so the last backward all-reduces the gradients
 
@@ -153,8 +162,8 @@ class ShardedLearner(DistributedLearner):
     (all-gathered layer by layer in forward and again in backward). The LoRA parameters are FSDP's
     `ignored_params`: replicated plain tensors on every rank, so optimizer, export, checkpoints and
     publishing are unchanged; their gradients are summed with one all-reduce per step (`_finish_gradients`).
-    Every rank runs the same number of micro-batches (the most any rank needs; extra ones count 0), since
-    each forward is a sequence of collectives. The base model is loaded on the host and sharded onto the
+    Every rank runs the same number of micro-batches (as under DDP; here each forward is a sequence of
+    all-gathers). The base model is loaded on the host and sharded onto the
     device. Under FSDP the ingest-time audit is off too (its shadow forward would need every rank)."""
 
     sharded = True
@@ -181,11 +190,6 @@ class ShardedLearner(DistributedLearner):
 
     def _sync(self, last: bool):
         return nullcontext()
-
-    def _micro_batch_count(self, n: int) -> int:
-        t = torch.tensor([n], dtype=torch.int64, device=self._comm_device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t.item())
 
     def _finish_gradients(self) -> None:
         params = [p for p in self.model.parameters() if p.requires_grad]
