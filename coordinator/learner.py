@@ -192,7 +192,7 @@ class Learner:
                 ref = None
                 if self.loss_cfg.beta > 0:  # reference = the base model: the same weights, adapter switched off
                     with torch.no_grad(), self.model.disable_adapter():
-                        ref = self.scorer(batch).logps
+                        ref = self.scorer(batch, entropy=False).logps
                 terms = policy_terms(out.logps, batch["sampling_logps"], batch["adv"], batch["mask"],
                                      self.loss_cfg, ref_logps=ref)
                 loss = (terms.per_token * token_weights(batch["mask"], self.loss_cfg, norm)).sum()
@@ -302,7 +302,7 @@ def score_rows(scorer, rows: list[Row], pad_id: int, device, max_tokens: int) ->
     logps = torch.zeros((len(rows), tmax))
     for idx in plan_micro_batches([len(r.ids) for r in rows], max_tokens):
         batch = collate_rows([rows[i] for i in idx], pad_id, device)
-        part = scorer(batch).logps.float().cpu()
+        part = scorer(batch, entropy=False).logps.float().cpu()
         logps[idx, :part.shape[1]] = part
     generated = torch.arange(tmax).unsqueeze(0) < torch.tensor([r.comp_len for r in rows]).unsqueeze(1)
     return logps, generated.float()
@@ -346,4 +346,4 @@ def completion_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     from asyncrl.models.logprobs import CompletionScorer
 
     scorer = model if isinstance(model, CompletionScorer) else CompletionScorer(model)
-    return scorer(batch).logps
+    return scorer(batch, entropy=False).logps

@@ -43,13 +43,17 @@ class SelectiveLogSoftmax(torch.autograd.Function):
     per-token inverse temperatures; logits never outlive the call, backward recomputes them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, inv_temp):
+    def forward(ctx, hidden, weight, bias, targets, inv_temp, with_entropy=True):
         logits = _logits(hidden, weight, bias, inv_temp)
         lse = torch.logsumexp(logits, dim=-1)
         logp = logits.gather(1, targets.unsqueeze(1)).squeeze(1) - lse
-        probs = (logits - lse.unsqueeze(1)).exp_()
-        entropy = lse - torch.linalg.vecdot(probs, logits)
-        del logits, probs
+        if with_entropy:  # one more pass over the chunk; the reference and audit passes skip it
+            probs = (logits - lse.unsqueeze(1)).exp_()
+            entropy = lse - torch.linalg.vecdot(probs, logits)
+            del probs
+        else:
+            entropy = torch.zeros_like(lse)
+        del logits
         ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), targets, inv_temp, lse)
         ctx.has_bias = bias is not None
         ctx.mark_non_differentiable(entropy)
@@ -70,7 +74,7 @@ class SelectiveLogSoftmax(torch.autograd.Function):
             grad_w = (g.t().to(hidden.dtype) @ hidden).to(weight.dtype)
         if bias is not None and ctx.needs_input_grad[2]:
             grad_b = g.sum(0).to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None
+        return grad_h, grad_w, grad_b, None, None, None
 
 
 def _logits(hidden, weight, bias, inv_temp) -> torch.Tensor:
@@ -90,8 +94,9 @@ def _generic_head(head, hidden, targets, inv_temp):
 
 
 def head_logprobs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, inv_temp: torch.Tensor,
-                  chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N] log-probabilities of `targets` and [N] entropies under `head`, `chunk` tokens at a time."""
+                  chunk: int, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N] log-probabilities of `targets` and [N] entropies (zeros without `with_entropy`) under `head`,
+    `chunk` tokens at a time."""
     from torch.utils.checkpoint import checkpoint
 
     fused = type(head) is nn.Linear
@@ -99,7 +104,7 @@ def head_logprobs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, 
     for lo in range(0, hidden.shape[0], chunk):
         h, t, s = hidden[lo:lo + chunk], targets[lo:lo + chunk], inv_temp[lo:lo + chunk]
         if fused:
-            lp, ent = SelectiveLogSoftmax.apply(h, head.weight, head.bias, t, s)
+            lp, ent = SelectiveLogSoftmax.apply(h, head.weight, head.bias, t, s, with_entropy)
         elif torch.is_grad_enabled():
             lp, ent = checkpoint(_generic_head, head, h, t, s, use_reentrant=False)
         else:
@@ -137,7 +142,7 @@ class CompletionScorer(nn.Module):
         self._causal = [causal]  # not a submodule twice (parameters are registered once, through `model`)
         self.chunk = head_chunk_tokens(causal.config.vocab_size, head_chunk_bytes)
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> TokenLogprobs:
+    def forward(self, batch: dict[str, torch.Tensor], entropy: bool = True) -> TokenLogprobs:
         causal = self._causal[0]
         ids, comp_lens = batch["ids"], batch["comp_lens"].to(batch["ids"].device)
         B, tmax = batch["mask"].shape
@@ -147,7 +152,7 @@ class CompletionScorer(nn.Module):
         pos = batch["prompt_lens"].to(ids.device)[rows] - 1 + cols
         inv_temp = (1.0 / batch["temps"].to(ids.device, torch.float32))[rows]
         lp, ent = head_logprobs(causal.get_output_embeddings(), hidden[rows, pos], ids[rows, pos + 1], inv_temp,
-                                self.chunk)
+                                self.chunk, with_entropy=entropy)
         logps = torch.zeros((B, tmax), dtype=torch.float32, device=ids.device).index_put((rows, cols), lp)
         entropy = torch.zeros((B, tmax), dtype=torch.float32, device=ids.device).index_put((rows, cols), ent.detach())
         return TokenLogprobs(logps, entropy)
