@@ -1,7 +1,10 @@
 """asyncrl.models — the base model and its LoRA adapter, as both sides load them.
 
-  lora.py       loading a base model (`from_pretrained`, hub id or local directory), attaching LoRA,
-                adapter <-> bytes in the published dtype, PEFT directories for vLLM
+  lora.py       loading a base model (`from_pretrained`, hub id or local directory) in a dtype onto a
+                device (`resolve_placement`: --device / --dtype), attaching LoRA, adapter <-> bytes in
+                the published dtype, PEFT directories for vLLM
+  logprobs.py   completion log-probs and entropies through a chunked LM head (no [B, T, V] fp32 logits):
+                `CompletionScorer`, shared by the learner, the KL reference pass and the audit
   tinymodel.py  the built-in tiny Qwen2-style model, written as an ordinary HF directory (tests, demo)
 
 Imports only `asyncrl.protocol` of ours; the coordinator (training, export) and the client
