@@ -49,3 +49,13 @@ TIMESTAMP_WINDOW_S = 300.0
 # Random nonce per envelope; 128 bits makes accidental collisions impossible in practice, so a
 # repeated (signer, nonce) is a replay.
 NONCE_BYTES = 16
+
+# Rewards: a completion's claimed total (TRL-style rewards are not clamped into [0, 1], weighted sums
+# neither) must be finite and within this bound — beyond it a reward is broken, not informative.
+MAX_ABS_REWARD = 1e6
+
+# Dataset columns a lease carries for TRL-style rewards (tasks/prompt.py `columns`, canonical JSON, the
+# dataset's prompt included): bounded per record, checked when the task source opens.
+MAX_TASK_COLUMNS_CHARS = 64 * 1024
+# A whole LeaseGrant as a volunteer reads it (prompt text + token ids + columns per lease).
+MAX_LEASE_GRANT_BYTES = 4 * MiB

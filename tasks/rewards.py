@@ -1,17 +1,49 @@
-"""Verifiable rewards shared by the coordinator (re-verification) and the client (scoring).
+"""Rewards shared by the coordinator (re-verification) and the client (scoring): one code path.
 
-Rewards are pure functions `(completion_text, answer) -> float in [0, 1]` looked up by name in one
-registry, so the coordinator can recompute exactly what a volunteer claims. Built-ins register
-through the same `asyncrl.rewards` entry-point group a third-party package uses (pyproject.toml).
+Two shapes of reward function, looked up by name in one registry (built-ins, then the `asyncrl.rewards`
+entry-point group a third-party package uses, pyproject.toml):
+
+  simple   `fn(completion: str, answer: str) -> float`, one completion at a time; clamped into [0, 1],
+           NaN counts 0 (the original asyncrl form: `exact`, `math`, `repeat`).
+  batch    TRL's form, `fn(prompts, completions, **kwargs) -> list[float | None]`, called once per group:
+           `prompts` the dataset's prompt repeated G times (a string, or a list of messages), `completions`
+           the G texts (conversational prompts: `[{"role": "assistant", "content": text}]` each, as TRL
+           does), `completion_ids` the G token-id lists, and every other dataset column (repeated G times)
+           as a keyword argument. `None` means "not applicable to this sample". Values are not clamped.
+
+Which shape a function has: an explicit mark wins (`@batch_reward` / `@simple_reward`, or an attribute
+`asyncrl_reward_shape = "batch" | "simple"`), otherwise its signature decides — a parameter named
+`completions` (TRL always passes it by that name) makes it a batch reward, anything else is simple.
+
+A **reward spec** names what a record is scored with: one name (`"math"`), or a weighted sum
+(`"accuracy+0.5*format"`, TRL's `reward_funcs` + `reward_weights`). Weighted sums follow TRL's
+GRPOTrainer exactly: None becomes NaN, the total is `nansum(weight_i * reward_i)`, and a sample for
+which *every* reward returned None scores 0 (TRL warns; we count it in `GroupScore.all_none`). A total
+that is not finite or beyond `limits.MAX_ABS_REWARD` is an error of the reward, never a training value.
+
+`score_group` is the one function both sides call; `score` keeps the one-completion API.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import inspect
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
 
+from asyncrl.protocol import limits
+
+from .prompt import Prompt
 from .toy import repeat_reward
 
-RewardFn = Callable[[str, str], float]
+RewardFn = Callable[..., Any]
+SHAPES = ("simple", "batch")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*\Z")
+RESERVED_COLUMNS = ("prompt", "completion", "completions", "prompts", "completion_ids")
+"""Column names TRL keeps for itself: a dataset column by one of these names is not passed as a kwarg
+(except "prompt", which becomes `prompts`)."""
 
 
 def exact_reward(completion: str, answer: str) -> float:
@@ -19,11 +51,21 @@ def exact_reward(completion: str, answer: str) -> float:
     return 1.0 if completion.strip() == answer.strip() else 0.0
 
 
+def gold_answer(answer: str) -> str:
+    """The reference a math answer is checked against: GSM8K's worked solutions end in `#### N`, so
+    the text after the last `####` (thousands commas dropped); anything else (a bare number, LaTeX,
+    `\\boxed{...}`) as it is."""
+    if "####" in answer:
+        return answer.rsplit("####", 1)[1].strip().replace(",", "")
+    return answer
+
+
 def math_reward(completion: str, answer: str) -> float:
-    """math-verify equivalence of the completion's final answer and `answer` (in a time-limited worker)."""
+    """math-verify equivalence of the completion's final answer and the gold answer (GSM8K `#### N`,
+    `\\boxed{}` or plain), in a time-limited worker."""
     from .math_reward import math_reward as verify
 
-    return verify(completion, answer)
+    return verify(completion, gold_answer(answer))
 
 
 REWARDS: dict[str, RewardFn] = {"repeat": repeat_reward, "exact": exact_reward, "math": math_reward}
@@ -31,6 +73,22 @@ REWARDS: dict[str, RewardFn] = {"repeat": repeat_reward, "exact": exact_reward, 
 
 class UnknownReward(KeyError):
     pass
+
+
+class RewardError(ValueError):
+    """A reward function or spec that cannot be used: a bad spec, an unknown shape, a wrong return value."""
+
+
+def batch_reward(fn: RewardFn) -> RewardFn:
+    """Mark `fn` as a TRL-style batch reward (when its signature does not say so)."""
+    fn.asyncrl_reward_shape = "batch"
+    return fn
+
+
+def simple_reward(fn: RewardFn) -> RewardFn:
+    """Mark `fn` as a simple `(completion, answer)` reward."""
+    fn.asyncrl_reward_shape = "simple"
+    return fn
 
 
 def get_reward(name: str) -> RewardFn:
@@ -47,9 +105,177 @@ def get_reward(name: str) -> RewardFn:
     raise UnknownReward(f"unknown reward {name!r}; built-in: {sorted(REWARDS)}")
 
 
-def score(reward: str, completion: str, answer: str) -> float:
-    """Score and clamp into [0, 1] (a third-party reward must not push a batch out of range)."""
-    value = float(get_reward(reward)(completion, answer))
+def reward_shape(fn: RewardFn) -> str:
+    """"batch" or "simple" (see the module docstring)."""
+    mark = getattr(fn, "asyncrl_reward_shape", None)
+    if mark is not None:
+        if mark not in SHAPES:
+            raise RewardError(f"asyncrl_reward_shape must be one of {SHAPES}, got {mark!r}")
+        return mark
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+        raise RewardError("async reward functions are not supported: make it a plain function")
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return "simple"
+    return "batch" if "completions" in params else "simple"
+
+
+# ---- reward specs ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RewardTerm:
+    name: str
+    weight: float = 1.0
+
+
+def parse_spec(spec: str) -> tuple[RewardTerm, ...]:
+    """`"math"` or `"accuracy+0.5*format"` -> terms; raises RewardError on bad syntax (names unchecked)."""
+    if not isinstance(spec, str) or not spec:
+        raise RewardError("a reward spec must be a non-empty string")
+    terms = []
+    for part in spec.split("+"):
+        weight_text, star, name = part.rpartition("*")
+        weight = 1.0
+        if star:
+            try:
+                weight = float(weight_text)
+            except ValueError:
+                raise RewardError(f"reward spec {spec!r}: {weight_text!r} is not a weight") from None
+        if not math.isfinite(weight):
+            raise RewardError(f"reward spec {spec!r}: weights must be finite")
+        if not _NAME.match(name):
+            raise RewardError(f"reward spec {spec!r}: {name!r} is not a reward name")
+        terms.append(RewardTerm(name, weight))
+    if len({t.name for t in terms}) != len(terms):
+        raise RewardError(f"reward spec {spec!r} names a reward twice")
+    return tuple(terms)
+
+
+def format_spec(names, weights=None) -> str:
+    """The canonical spec for reward names (a string or a list) and optional weights (TRL's
+    `reward_weights`: one per name, default 1.0 each)."""
+    names = [names] if isinstance(names, str) else list(names)
+    if not names:
+        raise RewardError("at least one reward is needed")
+    weights = [1.0] * len(names) if weights is None else [float(w) for w in weights]
+    if len(weights) != len(names):
+        raise RewardError(f"{len(weights)} reward_weights for {len(names)} rewards: give one weight per reward")
+    spec = "+".join(n if w == 1.0 else f"{w!r}*{n}" for n, w in zip(names, weights))
+    parse_spec(spec)  # names and weights valid, no duplicates
+    return spec
+
+
+def check_spec(spec: str) -> str:
+    """Parse and resolve every name (UnknownReward / RewardError); returns the canonical form."""
+    terms = parse_spec(spec)
+    for t in terms:
+        reward_shape(get_reward(t.name))
+    return format_spec([t.name for t in terms], [t.weight for t in terms])
+
+
+# ---- scoring --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GroupScore:
+    rewards: list[float]   # the total per completion: what a Completion claims and the learner trains on
+    per_reward: dict[str, list[float | None]]  # each reward's own values (None = not applicable)
+    all_none: int          # completions for which every reward said None (their total is 0, as in TRL)
+
+
+def _clamped(value) -> float:
+    value = float(value)
     if value != value:  # NaN
         return 0.0
     return min(1.0, max(0.0, value))
+
+
+def record_view(prompt: Prompt) -> tuple[Any, dict[str, Any]]:
+    """(the dataset's prompt, the other columns) as reward functions see them."""
+    if not prompt.columns:
+        return prompt.text, {"answer": prompt.answer}
+    cols = json.loads(prompt.columns)
+    original = cols.pop("prompt", prompt.text)
+    return original, {k: v for k, v in cols.items() if k not in RESERVED_COLUMNS}
+
+
+def is_conversational(prompt_value) -> bool:
+    """TRL's test: a prompt that is a list of {"role", "content"} messages."""
+    return (isinstance(prompt_value, list) and bool(prompt_value) and isinstance(prompt_value[0], dict)
+            and "role" in prompt_value[0] and "content" in prompt_value[0])
+
+
+def _batch_values(name: str, fn: RewardFn, prompt_value, texts: list[str], completion_ids, columns) -> list:
+    g = len(texts)
+    if is_conversational(prompt_value):
+        last = prompt_value[-1]
+        bootstrap = last["content"] if last.get("role") == "assistant" else ""  # TRL: a prefilled assistant turn
+        completions = [[{"role": "assistant", "content": bootstrap + t}] for t in texts]
+    else:
+        completions = list(texts)
+    kwargs = {k: [v] * g for k, v in columns.items()}
+    kwargs.update(prompts=[prompt_value] * g, completions=completions,
+                  completion_ids=[list(ids) for ids in completion_ids])
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params}  # no **kwargs: pass what it names
+    out = fn(**kwargs)
+    try:
+        values = list(out)
+    except TypeError:
+        raise RewardError(f"reward {name!r} returned {type(out).__name__}, not a list of floats") from None
+    if len(values) != g:
+        raise RewardError(f"reward {name!r} returned {len(values)} values for {g} completions")
+    clean = []
+    for v in values:
+        if v is None:
+            clean.append(None)
+            continue
+        try:
+            if isinstance(v, (str, bytes)):
+                raise TypeError
+            f = float(v)  # int, bool, numpy and torch scalars
+        except (TypeError, ValueError):
+            raise RewardError(f"reward {name!r} returned {type(v).__name__}; expected float or None") from None
+        if f != f:
+            clean.append(None)  # NaN: TRL's nansum skips it exactly as it skips None
+        elif not math.isfinite(f):
+            raise RewardError(f"reward {name!r} returned {f}")
+        else:
+            clean.append(f)
+    return clean
+
+
+def score_group(prompt: Prompt, texts: list[str], completion_ids) -> GroupScore:
+    """Score one group's completions (decoded with skip_special_tokens) with `prompt.reward`.
+
+    Both the volunteer (before it signs) and the coordinator (re-scoring at ingest) call exactly this.
+    """
+    terms = parse_spec(prompt.reward)
+    g = len(texts)
+    prompt_value, columns = record_view(prompt)
+    per_reward: dict[str, list[float | None]] = {}
+    totals = [0.0] * g
+    seen = [False] * g
+    for term in terms:
+        fn = get_reward(term.name)
+        if reward_shape(fn) == "simple":
+            values: list[float | None] = [_clamped(fn(t, prompt.answer)) for t in texts]
+        else:
+            values = _batch_values(term.name, fn, prompt_value, texts, completion_ids, columns)
+        per_reward[term.name] = values
+        for i, v in enumerate(values):
+            if v is not None:
+                totals[i] += term.weight * v
+                seen[i] = True
+    for t in totals:
+        if not math.isfinite(t) or abs(t) > limits.MAX_ABS_REWARD:
+            raise RewardError(f"reward {prompt.reward!r} total {t} is outside ±{limits.MAX_ABS_REWARD:g}")
+    return GroupScore(rewards=totals, per_reward=per_reward, all_none=seen.count(False))
+
+
+def score(reward: str, completion: str, answer: str) -> float:
+    """One completion, no dataset columns: `score_group` for a group of one (simple rewards: clamped to [0, 1])."""
+    return score_group(Prompt("", "", answer, reward), [completion], [[]]).rewards[0]

@@ -82,3 +82,89 @@ def test_chat_template_is_applied_and_both_tokenisation_sites_agree(tmp_path):
     assert next(open_source("repeat", tokenizer=tok)).text.startswith("rep:")  # toy tasks stay raw
     ids = encode_prompt(tok, prompt.text)
     assert tok.decode(ids) == prompt.text and ids == encode_prompt(tok, prompt.text)
+
+
+def chat_tokenizer():
+    tok = tinymodel.build_tokenizer()
+    tok.chat_template = TEMPLATE.replace("<|", "[").replace("|>", "]")
+    return tok
+
+
+def test_conversational_records_are_templated_and_carry_their_columns(tmp_path):
+    from asyncrl.tasks.rewards import record_view
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2=?"}]
+    path = write_jsonl(tmp_path / "chat.jsonl", [
+        {"prompt": messages, "answer": "4", "level": 2},
+        {"prompt": messages + [{"role": "assistant", "content": "it is "}], "answer": "4"},
+    ])
+    src = open_source(str(path), tokenizer=chat_tokenizer(), default_reward="math")
+    got = {p.text: p for p in (next(src), next(src))}
+    assert set(got) == {"[system]be brief[user]2+2=?[assistant]",   # generation prompt added
+                        "[system]be brief[user]2+2=?[assistant]it is "}  # a prefilled turn is continued
+    original, cols = record_view(got["[system]be brief[user]2+2=?[assistant]"])
+    assert original == messages and cols == {"answer": "4", "level": 2}
+
+    with pytest.raises(TaskSourceError) as err:
+        open_source(str(path), tokenizer=chat_tokenizer(), chat_template="off")
+    assert err.value.where == f"{path}:1"
+    with pytest.raises(TaskSourceError):
+        open_source(str(path), tokenizer=tinymodel.build_tokenizer())  # no template to render messages with
+
+
+def test_system_prompt_wraps_plain_prompts(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"question": "1+1", "answer": "#### 2"}])
+    src = open_source(str(path), tokenizer=chat_tokenizer(), prompt_field="question", system_prompt="think")
+    assert next(src).text == "[system]think[user]1+1[assistant]"
+    with pytest.raises(TaskSourceError):
+        open_source(str(path), prompt_field="question", system_prompt="think")  # no template here
+
+
+@pytest.mark.parametrize("prompt", [[], [{"role": "user"}], [{"role": "user", "content": [{"type": "image"}]}],
+                                    [{"content": "x"}], [{"role": "system", "content": "only a system turn"}]])
+def test_malformed_messages_are_refused_with_the_record(tmp_path, prompt):
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "ok", "answer": "1"}, {"prompt": prompt, "answer": "1"}])
+    with pytest.raises(TaskSourceError) as err:
+        open_source(str(path), tokenizer=chat_tokenizer())
+    assert err.value.line == 2
+
+
+def test_reward_specs_per_record_and_batch_only_records_need_no_answer(tmp_path, monkeypatch):
+    from asyncrl import tasks
+
+    monkeypatch.setitem(tasks.REWARDS, "fmt", lambda completions, **kw: [1.0] * len(completions))
+    path = write_jsonl(tmp_path / "r.jsonl", [{"prompt": "a", "reward": "fmt"},
+                                              {"prompt": "b", "answer": "1", "reward": ["math", "fmt"]}])
+    src = open_source(str(path), default_reward="exact+0.5*fmt")
+    assert {p.reward for p in (next(src), next(src))} == {"fmt", "math+fmt"}
+    with pytest.raises(TaskSourceError):  # a simple reward needs an answer
+        open_source(str(write_jsonl(tmp_path / "s.jsonl", [{"prompt": "a", "reward": "exact+fmt"}])))
+    with pytest.raises(TaskSourceError):
+        open_source(str(path), default_reward="nope+fmt")
+
+
+def test_prompts_longer_than_the_context_allows_stop_the_start_or_are_skipped_and_counted(tmp_path):
+    tok = tinymodel.build_tokenizer()  # one token per character
+    rows = [{"prompt": "a" * 10, "answer": "x"}, {"prompt": "b" * 30, "answer": "x"}, {"prompt": "c" * 21, "answer": "x"}]
+    path = write_jsonl(tmp_path / "long.jsonl", rows)
+    with pytest.raises(TaskSourceError) as err:
+        open_source(str(path), tokenizer=tok, max_prompt_tokens=20)
+    assert err.value.where == f"{path}:2"  # the first offender, by line
+    src = open_source(str(path), tokenizer=tok, max_prompt_tokens=20, oversized="skip")
+    assert {next(src).text for _ in range(4)} == {"a" * 10}
+    assert (src.report.records, src.report.skipped_long, src.report.longest_prompt_tokens) == (1, 2, 10)
+    assert src.report.examples[0].startswith(f"{path}:2")
+    with pytest.raises(TaskSourceError):
+        open_source(str(path), tokenizer=tok, max_prompt_tokens=5, oversized="skip")  # nothing left
+
+
+def test_records_too_big_for_a_lease_are_refused(tmp_path):
+    from asyncrl.protocol import limits
+
+    path = write_jsonl(tmp_path / "big.jsonl", [{"prompt": "a", "answer": "x", "notes": "n" * limits.MAX_TASK_COLUMNS_CHARS}])
+    with pytest.raises(TaskSourceError) as err:
+        open_source(str(path))
+    assert err.value.line == 1
+    path = write_jsonl(tmp_path / "nan.jsonl", ['{"prompt": "a", "answer": "x", "score": NaN}'])
+    with pytest.raises(TaskSourceError):
+        open_source(str(path))  # not plain JSON: a reward would see different values on each side
