@@ -122,6 +122,11 @@ def _ago(seconds: float | None) -> str:
     return f"{seconds:.0f} s ago" if seconds < 90 else f"{seconds / 60:.0f} min ago"
 
 
+def _waiting(learner: dict) -> str:
+    w = learner.get("waiting_for_volunteers")  # --wait-for-volunteers not met yet (coordinator/quorum.py)
+    return f" (waiting for {w['joined']}/{w['needed']} volunteers)" if w else ""
+
+
 def format_status(snap: dict) -> str:
     run, learner, stats, vols = snap["run"], snap["learner"], snap["stats"], snap["volunteers"]
     last = stats.get("last_step") or {}
@@ -131,7 +136,7 @@ def format_status(snap: dict) -> str:
         f"run {run['run_id']} · model {run['model']} · coordinator {run['fingerprint']} · up {run['uptime_s']:.0f} s",
         f"join: {run['join_command']}",
         f"adapter v{learner['version']} (published {_ago(snap['time'] - pub['t']) if pub else 'never'}) · "
-        f"steps {learner['steps']}/{run['max_steps'] or '∞'} · reward {fmt(last.get('reward'))} "
+        f"steps {learner['steps']}/{run['max_steps'] or '∞'}{_waiting(learner)} · reward {fmt(last.get('reward'))} "
         f"(avg {fmt(stats.get('reward_moving_avg'))}) · staleness {fmt(last.get('staleness_mean'), 2)}",
         f"throughput {stats['throughput']['rollouts_per_s']:.1f} rollouts/s · "
         f"{stats['throughput']['steps_per_min']:.1f} steps/min · leases {snap['leases'].get('outstanding', 0)} "

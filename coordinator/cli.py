@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--sync", action="store_true",
                      help="synchronous baseline for benchmarks: every step waits for one batch from every live "
                           "volunteer, all at the current version (the slowest volunteer gates each step)")
+    run.add_argument("--wait-for-volunteers", type=int, metavar="N",
+                     help="grant no lease and take no step until N distinct volunteers (by key) have asked for work "
+                          f"(default {d.wait_for_volunteers} = don't wait; sync baselines, small closed swarms)")
     ops = run.add_argument_group("operator (dashboard, metrics)")
     ops.add_argument("--dashboard-host", default=d.dashboard_host, help="dashboard bind address (default 127.0.0.1)")
     ops.add_argument("--dashboard-port", type=int, default=d.dashboard_port, help="0 = any free port (see dashboard.txt)")

@@ -106,6 +106,9 @@ class CoordinatorConfig:
     """Synchronous baseline (benchmarks only): each step waits for one batch from every live volunteer
     (one that asked for a lease within lease_timeout_s), all generated with the current adapter version,
     so the slowest volunteer gates every step. See docs/staleness.md."""
+    wait_for_volunteers: int = 0
+    """Grant no lease and take no optimizer step until this many distinct volunteers (by key) have asked for
+    work (0 = start with whoever comes). For sync baselines and small closed swarms: coordinator/quorum.py."""
 
     # checkpoints (coordinator/checkpoint.py)
     checkpoint_every: int = 50
@@ -242,6 +245,7 @@ class CoordinatorConfig:
             (self.max_staleness is None or self.max_staleness >= 0, "max_staleness must be >= 0 or None"),
             (_loss_problem(self.loss) is None, f"loss: {_loss_problem(self.loss)}"),
             (not self.sync or self.publish_every == 1, "sync needs publish_every == 1 (a round per version)"),
+            (self.wait_for_volunteers >= 0, "wait_for_volunteers must be >= 0"),
             (self.keyframe_every >= 1, "keyframe_every must be >= 1"),
             (self.checkpoint_every >= 0, "checkpoint_every must be >= 0"),
             (self.keep_checkpoints >= 1, "keep_checkpoints must be >= 1"),

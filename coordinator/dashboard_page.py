@@ -180,7 +180,9 @@ function render(d) {
   if (P.superseded) ptext += " · " + P.superseded + " superseded";
   set("published", ptext);
   set("steps", L.steps);
-  set("steps_sub", (run.max_steps ? "of " + run.max_steps : "until stopped") +
+  const w = L.waiting_for_volunteers;  // --wait-for-volunteers not met yet
+  set("steps_sub", w ? "waiting for " + w.joined + "/" + w.needed + " volunteers"
+                     : (run.max_steps ? "of " + run.max_steps : "until stopped") +
       (st.last_step ? " · grad norm " + fmt(st.last_step.grad_norm) + " · entropy " + fmt(st.last_step.entropy) +
        " · " + fmt(st.last_step.tokens_per_s, 0) + " tok/s" : ""));
   const last = st.last_step;

@@ -6,7 +6,9 @@ granting: who may ask (access control: banned keys refused before the signature 
 and quota after it), and how much may be in flight. Back-pressure invariant: groups queued for the
 learner + groups leased and not yet returned never exceed `max_inflight_groups`, so volunteers cannot
 race ahead into work that will be stale when it arrives (docs/decisions.md). Under `--sync` the
-SyncRound hands out one grant per live volunteer per version instead.
+SyncRound hands out one grant per live volunteer per version instead. Until `--wait-for-volunteers N`
+distinct keys have asked (coordinator/quorum.py) every grant is empty (retry_after_s = idle_retry_s);
+under `--sync` the request still reaches the SyncRound, so a volunteer that waited is live in the first round.
 
 Fair share (`FairShare`, docs/scale.md), so that hundreds of volunteers share the in-flight room:
   * *proven* volunteers (an accepted batch since their last strike: `AccessControl.valid_streak`) split
@@ -152,10 +154,11 @@ class FairShare:
 
 class LeaseDesk:
     def __init__(self, policy: LeasePolicy, *, audience: bytes, board, ingest, access, tokenizer,
-                 current_version: Callable[[], int], sync_round=None, clock=time.monotonic):
+                 current_version: Callable[[], int], sync_round=None, quorum=None, clock=time.monotonic):
         self.policy = policy
         self.audience = audience  # the coordinator's public key: requests sealed for anyone else are refused
         self.board, self.ingest, self.access, self.sync_round = board, ingest, access, sync_round
+        self.quorum = quorum  # --wait-for-volunteers (coordinator/quorum.py); None = never wait
         self.tokenizer = tokenizer
         self.current_version = current_version
         self.fair = FairShare(policy, proven=self._proven, clock=clock)
@@ -188,8 +191,13 @@ class LeaseDesk:
         version = self.current_version()
         want = min(req.max_prompts, p.prompts_per_lease)
         retry_after = 0.0
+        waiting = self.quorum is not None and not self.quorum.admit(opened.signer, req.client_name)
+        if waiting:  # still short of --wait-for-volunteers: an empty grant for everyone; ask again soon
+            want, retry_after = 0, p.idle_retry_s
         if self.sync_round is not None:  # one grant per live volunteer per version, no back-pressure needed
             grants = self.sync_round.lease(opened.signer, req.adapter_version, version, want)
+        elif waiting:
+            grants = []  # no place in the fair-share line yet: nobody is leased anything before the quorum
         else:
             key = opened.signer
             self.fair.seen(key)

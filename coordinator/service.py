@@ -15,6 +15,7 @@ Components (each has one job; none references this hub):
   AccessControl (coordinator/access.py) open/allowlist, bans, rate limits, quotas, strikes
   Auditor     (coordinator/audit.py) logprob audit under the claimed adapter version (learner hook)
   TrustState  (coordinator/trust_state.py) trust.json, replay.bin, access.bin every few seconds
+  VolunteerQuorum (coordinator/quorum.py) --wait-for-volunteers N: no lease, no step before N keys are in
 
 P2P handlers (stream names are scoped by run id): `manifest` (version -> sealed manifest),
 `chunk` (version, index -> bytes), `lease` (sealed LeaseRequest -> LeaseGrant), `submit`
@@ -152,11 +153,13 @@ class Coordinator:
 
             self.sync_round = SyncRound(self.ingest, self.board, live_s=cfg.lease_timeout_s)
         from .leasing import LeaseDesk, LeasePolicy
+        from .quorum import VolunteerQuorum
 
+        self.quorum = VolunteerQuorum(cfg.wait_for_volunteers, on_event=self._quorum_event)
         self.lease_desk = LeaseDesk(LeasePolicy.from_config(cfg), audience=self.identity.public_key, board=self.board,
                                     ingest=self.ingest, access=self.access, tokenizer=self.learner.tokenizer,
                                     current_version=lambda: self.publish_worker.published_version,
-                                    sync_round=self.sync_round)
+                                    sync_round=self.sync_round, quorum=self.quorum)
         self.publisher = Publisher(self.identity, run_id=cfg.run_id, base_model=self.base_model,
                                    base_revision=self.base_revision, lora=self.lora,
                                    keyframe_every=cfg.keyframe_every, chunk_bytes=cfg.chunk_bytes)
@@ -197,7 +200,18 @@ class Coordinator:
             self.out(f"  asyncrl-client join {a}")
         self.out(f"  (or from any volunteer's address: asyncrl-client join <its address> --coordinator {self.node.peer_id})")
         self.telemetry.start_dashboard(self.snapshot)
+        self.quorum.start()
         return self.join_address
+
+    def _quorum_event(self, event: str, **fields) -> None:
+        self.log.write(event, **fields)
+        if event == "waiting_for_volunteers":
+            self.out(f"waiting for {fields['joined']}/{fields['needed']} volunteers before training "
+                     "(--wait-for-volunteers)")
+        elif event == "volunteer_in":
+            self.out(f"volunteer {fields['name'] or fields['fingerprint']} in ({fields['joined']}/{fields['needed']})")
+        elif event == "volunteers_ready":
+            self.out(f"all {fields['needed']} volunteers in; training starts")
 
     def _serve_handlers(self) -> None:
         cfg, node = self.cfg, self.node
@@ -245,6 +259,7 @@ class Coordinator:
     def run(self) -> dict:
         cfg = self.cfg
         logged = 0
+        self.quorum.wait(self.stop)  # --wait-for-volunteers: no step before N volunteers are in (returns at once by default)
         while not self.stop.is_set() and (cfg.max_steps == 0 or self.learner.steps < cfg.max_steps):
             if self.sync_round is not None:
                 items = self.sync_round.take(self.learner.version, self.stop)
@@ -346,7 +361,8 @@ class Coordinator:
         return self.telemetry.snapshot_part(version=self.learner.version, steps=self.learner.steps, clients=clients,
                                             leases=self.board.counts(), queued_groups=queued, identity=identity,
                                             presence=self.presence(),
-                                            publisher=worker.stats() if worker is not None else None)
+                                            publisher=worker.stats() if worker is not None else None,
+                                            waiting=self.quorum.status())
 
     def shutdown(self) -> None:
         self.stop.set()

@@ -66,7 +66,8 @@ class Telemetry:
         return url
 
     def snapshot_part(self, *, version: int, steps: int, clients: list, leases: dict, queued_groups: int,
-                      identity: dict, presence: list[dict] = (), publisher: dict | None = None) -> dict:
+                      identity: dict, presence: list[dict] = (), publisher: dict | None = None,
+                      waiting: dict | None = None) -> dict:
         """The read-only status dict (the schema of /api/status). No key material ever enters it."""
         now = time.time()
         stats = self.stats.snapshot()
@@ -83,7 +84,8 @@ class Telemetry:
                     "started_at": self.started_at, "uptime_s": now - self.started_at, "max_steps": cfg.max_steps,
                     "dashboard_url": self.dashboard.url if self.dashboard else None},
             "learner": {"steps": steps, "version": version, "max_staleness": cfg.max_staleness,
-                        "queued_groups": queued_groups, "groups_per_step": cfg.groups_per_step},
+                        "queued_groups": queued_groups, "groups_per_step": cfg.groups_per_step,
+                        "waiting_for_volunteers": waiting},  # {"needed", "joined"} until --wait-for-volunteers is met
             "leases": dict(leases),
             # PublishWorker.stats(): published_version, superseded, queue_depth, in_flight(_s), last_latency_s
             "publisher": dict(publisher or {}),

@@ -6,6 +6,8 @@ ends, checks that alice's and bob's books show no rejected batch (the honest los
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.adversarial.swarm import COORDINATOR_FLAGS, AttackRecord, Mallory, Swarm, read_json, wait_for, write_artifact
@@ -34,6 +36,8 @@ def swarm(tmp_path_factory):
                              for d in honest.values()), 300, "alice and bob to get a batch accepted")
         s.start_view = s.honest_view()
         yield s
+        ended = time.time()  # the books as of after the last attack: trust.json is rewritten every few seconds
+        wait_for(lambda: (run / "trust.json").stat().st_mtime > ended, 60, "trust.json written after the last attack")
         final = s.honest_view()
         write_artifact(s, {"honest_start": s.start_view, "honest_end": final, "trust": s.trust()})
     finally:

@@ -24,7 +24,10 @@ def test_killed_after_spool_is_accepted_exactly_once(procs, tmp_path):
     run = tmp_path / "run"
     coord = procs.start("coordinator", ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny",
                                         "--run-dir", str(run), "--max-steps", "0", "--threads", "1",
-                                        "--groups-per-step", "4", "--min-groups", "1", "--max-wait-s", "1"])
+                                        "--groups-per-step", "4", "--min-groups", "1", "--max-wait-s", "1",
+                                        # the scenario is a restart within the lease (expiry: test_lease_expiry.py);
+                                        # longer than every wait below, so no restart time can turn it into expiry
+                                        "--lease-timeout-s", "3600"])
     join = wait_for_join(run)
     data = tmp_path / "alice"
     args = ["-m", "asyncrl.client.cli", "join", join, "--name", "alice", "--data-dir", str(data), "--threads", "1"]

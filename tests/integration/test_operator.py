@@ -82,7 +82,7 @@ def swarm(tmp_path_factory):
 
         def both_trained():
             vols = s.status()["volunteers"]
-            return (len(vols) == 2 and all(v["lag"] is not None for v in vols)
+            return (len(vols) == 2 and all(v["lag"] is not None and v["accepted"] >= 1 for v in vols)
                     and s.status()["learner"]["steps"] >= 2 and vols)
 
         try:

@@ -1,12 +1,16 @@
-"""Walking skeleton, end to end: a real coordinator and two real volunteers over hivemind on loopback."""
+"""Walking skeleton, end to end: a real coordinator and two real volunteers over hivemind on loopback.
+
+The test asserts that both volunteers contributed, so it says so: `--wait-for-volunteers 2` holds every
+lease and the first step until both are in (otherwise the first one up may do all 12 steps alone)."""
 
 from __future__ import annotations
 
 import json
+import urllib.request
 
 import pytest
 
-from tests.conftest import wait_for_join
+from tests.conftest import wait_for, wait_for_join
 
 pytestmark = pytest.mark.integration
 
@@ -19,9 +23,13 @@ def test_two_volunteers_train_the_tiny_model(procs, tmp_path):
     run = tmp_path / "run"
     coord = procs.start("coordinator", ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny",
                                         "--run-dir", str(run), "--max-steps", "12", "--threads", "1",
-                                        "--groups-per-step", "4", "--max-wait-s", "2"])
+                                        "--groups-per-step", "4", "--max-wait-s", "2", "--wait-for-volunteers", "2"])
     join = wait_for_join(run)
     assert join.startswith("/ip4/127.0.0.1/tcp/") and "/p2p/12D3KooW" in join
+    url = wait_for(lambda: (run / "dashboard.txt").exists() and (run / "dashboard.txt").read_text().strip(), 60,
+                   "dashboard.txt")
+    with urllib.request.urlopen(url + "api/status", timeout=30) as resp:  # nobody in yet: the run says it waits
+        assert json.loads(resp.read())["learner"]["waiting_for_volunteers"] == {"needed": 2, "joined": 0}
     clients = [procs.start(f"client-{i}", ["-m", "asyncrl.client.cli", "join", join, "--name", f"vol-{i}",
                                            "--data-dir", str(tmp_path / f"c{i}"), "--seed", str(i),
                                            "--threads", "1"]) for i in range(2)]
@@ -40,6 +48,8 @@ def test_two_volunteers_train_the_tiny_model(procs, tmp_path):
     assert summary["adapter_versions_published"] >= 3
     assert summary["lora_delta_norm"] > 0, "the LoRA parameters did not change"
     assert set(summary["batches_by_client"]) == {"vol-0", "vol-1"}
+    events = [json.loads(line)["event"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert events.count("volunteer_in") == 2 and events.index("volunteers_ready") < events.index("step")
     assert all(n >= 1 for n in summary["batches_by_client"].values()), summary
     for i in range(2):
         status = json.loads((tmp_path / f"c{i}" / "status.json").read_text())

@@ -1,7 +1,8 @@
 """--sync, --duty-cycle and --hold-version with real processes over loopback.
 
-- sync: once both volunteers are in, every step trains on one batch from each of them, all generated
-  with the current adapter (staleness 0); the duty-cycle volunteer rests in proportion to its work.
+- sync: with `--wait-for-volunteers 2` the first round waits until both volunteers are in, and every step
+  trains on one batch from each of them, all generated with the current adapter (staleness 0); the
+  duty-cycle volunteer rests in proportion to its work.
 - hold-version: a volunteer holding 2 versions back sends batches at least 2 versions stale, which an
   unlimited-staleness learner trains on (with the IS correction), logging staleness metrics.
 """
@@ -46,7 +47,7 @@ def _volunteer(procs, tmp_path, join, name, *extra):
 
 def test_sync_steps_on_every_live_volunteer_at_the_current_version(procs, tmp_path):
     run = tmp_path / "run"
-    coord, join = _start_coordinator(procs, run, "--sync", "--max-steps", "6")
+    coord, join = _start_coordinator(procs, run, "--sync", "--max-steps", "6", "--wait-for-volunteers", "2")
     vols = [_volunteer(procs, tmp_path, join, "alice"),
             _volunteer(procs, tmp_path, join, "bob", "--duty-cycle", "0.5")]
     try:
@@ -62,10 +63,8 @@ def test_sync_steps_on_every_live_volunteer_at_the_current_version(procs, tmp_pa
     for s in steps:
         assert STEP_METRICS <= set(s), sorted(STEP_METRICS - set(s))
         assert s["staleness_hist"] == {"0": s["groups"]}, s  # synchronous: all at the current version
-    # A volunteer still starting up is not live yet; from the first step both are in, every step has both.
-    first_full = next(i for i, s in enumerate(steps) if s["clients"] == ["alice", "bob"])
-    assert first_full < len(steps) - 2, [s["clients"] for s in steps]
-    assert all(s["clients"] == ["alice", "bob"] and s["groups"] == 4 for s in steps[first_full:])
+    # Both were in before the first round: every step, the first included, has one batch from each.
+    assert all(s["clients"] == ["alice", "bob"] and s["groups"] == 4 for s in steps), [s["clients"] for s in steps]
     bob = json.loads((tmp_path / "bob" / "status.json").read_text())
     alice = json.loads((tmp_path / "alice" / "status.json").read_text())
     assert bob["busy_s"] > 0 and bob["rested_s"] > 0.5 * bob["busy_s"]  # F = 0.5: rest ~ busy
