@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml constraints/cpu.txt Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m asyncrl.cli demo --clients 2 --json-out runs/demo.json
+	$(PY) -m asyncrl.cli demo --clients 2 --json-out runs/demo.json --overwrite
 
 test: $(STAMP) browser
 	$(PY) -m pytest $(PYTEST_ARGS)
