@@ -17,6 +17,9 @@ Semantics — synchronous on-policy RL spread over volunteers:
   and counted in `dropped_groups`.
 - A volunteer whose round batch was lost (rejected, lease expired) and that asks again is re-granted,
   so one bad batch cannot stall the swarm.
+- With `--wait-for-volunteers N` (coordinator/quorum.py) the LeaseDesk still hands every request to
+  `lease`, with want=0 until N volunteers are in: each one that waited is live when the first round
+  starts, so that round waits for its batch as well.
 
 Coupling, written down: `take` drains `Ingest.queue` itself and keeps `Ingest.queued_groups` right
 (batches it holds for an unfinished round still count as queued), and reads `Ingest.accepted_log`
