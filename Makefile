@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.asyncrl-installed
 PIP     := $(PY) -m pip install --disable-pip-version-check -c constraints/cpu.txt
 PYTEST_ARGS ?=
 
-.PHONY: demo test install browser clean-venv
+.PHONY: demo test install browser netlab clean-venv
 
 install: $(STAMP)
 
@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml constraints/cpu.txt Makefile
 demo: $(STAMP)
 	$(PY) -m asyncrl.cli demo --clients 2 --json-out runs/demo.json --overwrite
 
-test: $(STAMP) browser
+test: $(STAMP) browser netlab
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The dashboard test drives Debian's chromium through its chromedriver (tests/integration/test_operator.py);
@@ -37,3 +37,11 @@ browser:
 
 clean-venv:
 	rm -rf $(VENV)
+
+# The NAT test and the WAN benchmark build network namespaces (tests/integration/test_nat.py, bench/netlab.py):
+# iproute2 (ip, tc), iptables (NAT, NFQUEUE) and nftables. Without them (or without root) that test fails
+# under CI=true and skips loudly elsewhere.
+netlab:
+	@command -v ip >/dev/null && command -v tc >/dev/null && command -v iptables >/dev/null && command -v nft >/dev/null || { \
+	  $(SUDO) apt-get update -qq && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 iptables nftables; }

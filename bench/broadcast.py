@@ -31,7 +31,6 @@ Every event of every process is kept in <work-dir>/<name>.events.jsonl (`--work-
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -45,19 +44,21 @@ import threading
 import time
 from pathlib import Path
 
-from asyncrl.protocol.atomic import write_atomic
+if __package__ in (None, ""):  # `python bench/broadcast.py`: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.results import REPO, provenance, write_result  # noqa: E402
 
 
 class Proc:
     """A child in its own session whose stdout JSON lines land in a queue."""
 
-    def __init__(self, name: str, args: list[str], log_dir: Path, stdin=False):
+    def __init__(self, name: str, args: list[str], log_dir: Path, stdin=False, prefix: tuple[str, ...] = ()):
+        """`prefix`: run under another command, e.g. ("ip", "netns", "exec", NS) (bench/broadcast_wan.py)."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         self.name = name
         self.err = open(log_dir / f"{name}.log", "w")
-        self.p = subprocess.Popen([sys.executable, "-m", "bench.swarmlab", *args], cwd=REPO, env=env,
+        self.p = subprocess.Popen([*prefix, sys.executable, "-m", "bench.swarmlab", *args], cwd=REPO, env=env,
                                   stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
                                   stderr=self.err, text=True, start_new_session=True)
         self.events: queue.Queue = queue.Queue()
@@ -252,9 +253,7 @@ def run(args) -> dict:
             "per_version": rows,
             "settings": {"layers": args.layers, "chunk_bytes": args.chunk_bytes, "keyframe_every": args.keyframe_every,
                          "poll_s": args.poll_s, "gap_s": args.gap_s},
-            "machine": {"cpus": os.cpu_count(), "loadavg_1m_at_end": round(os.getloadavg()[0], 2)},
-            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "command": " ".join([os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]]),
+            **provenance(),
         }
     finally:
         for p in reversed(procs):
@@ -278,11 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     result = run(args)
-    text = json.dumps(result, indent=2)
-    if args.json_out:
-        out = Path(args.json_out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(out, text)
+    write_result(args.json_out, result)
     keys = ("clients", "versions", "adapter_compressed_bytes", "coordinator_sent_bytes_per_version", "uplink_ratio",
             "t95_p50_s", "t95_p95_s", "corrupt_loads", "fetch_s_max_p50", "decode_s_max_p50", "peak_rss_mb",
             "cpu_s_per_version")

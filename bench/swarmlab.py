@@ -9,10 +9,14 @@ and hash. So the thing measured is the transport, and a test needs no torch mode
     python -m bench.swarmlab publish --run-dir runs/lab --versions 3          # then keeps serving
     python -m bench.swarmlab publish --run-dir runs/lab --control             # "publish"/"stats" on stdin
     python -m bench.swarmlab follow /ip4/127.0.0.1/tcp/PORT/p2p/12D3KooW... --data-dir runs/lab/f0
+    python -m bench.swarmlab volunteer /ip4/... --data-dir runs/lab/v0   # + lease and submit (bench/swarm_scale.py)
 
-Both print one JSON object per line on stdout (events: ready, published, stats, peers, held); a
+All print one JSON object per line on stdout (events: ready, published, stats, peers, held); a
 follower also keeps <data-dir>/status.json (atomic) with its fetch counters, so a test can watch a
-transfer in progress. `digest` = sha256 over the tensors' bytes in manifest order: equal digests on
+transfer in progress. A `volunteer` is the real client (client/worker.py Volunteer: lease loop with the
+coordinator's retry-after, outbox, upload, presence, swarm fetch) around a `ScriptedEngine` that
+"generates" random tokens with made-up logprobs and honest rewards — for a real coordinator run with
+`--no-audit` (the audit would rightly refuse made-up logprobs): the swarm's costs without a model. `digest` = sha256 over the tensors' bytes in manifest order: equal digests on
 both sides mean the follower holds bit-identical tensors.
 """
 
@@ -60,6 +64,7 @@ class LabPublisher:
         from asyncrl.coordinator.publisher import Publisher
         from asyncrl.protocol import messages
         from asyncrl.protocol.identity import Identity
+        from asyncrl.swarm.providers import ProviderDesk
         from asyncrl.swarm.records import PointerRecord, PresenceTracker, install_validator
         from asyncrl.swarm.serving import AdapterServer
         from asyncrl.swarm.transport import SwarmNode
@@ -73,8 +78,11 @@ class LabPublisher:
         self.node = SwarmNode(host_maddrs=[f"/ip4/{args.host}/tcp/{args.port}"],
                               identity_path=str(run_dir / "p2p.identity"))
         install_validator(self.node, args.run_id, self.node.peer_id)
-        self.presence = PresenceTracker(self.node, args.run_id, every_s=args.presence_every_s).start()
-        self.pointer = PointerRecord(self.node, self.identity, args.run_id, peers=self.presence.serving_peers)
+        self.presence = PresenceTracker(self.node, args.run_id, every_s=args.presence_every_s,
+                                        keep=lambda peer: self.providers.vouched(peer)).start()
+        self.providers = ProviderDesk(self.node, self.identity, args.run_id, self.presence,
+                                      issue_every_s=args.presence_every_s).start()
+        self.pointer = PointerRecord(self.node, self.identity, args.run_id, providers=self.providers)
         self.adapter = SyntheticAdapter(layers=args.layers, rank=args.rank, seed=args.seed)
         lora = messages.LoraSpec(r=args.rank, alpha=2.0 * args.rank, dropout=0.0,
                                  target_modules=tuple(m.split(".")[-1] for m in LINEARS))
@@ -95,14 +103,28 @@ class LabPublisher:
         threading.Thread(target=self._watch_presence, args=(args.presence_every_s,), daemon=True).start()
 
     def _watch_presence(self, every_s: float) -> None:
-        """Emit a `presence` event whenever the set of (peer, versions served) changes."""
-        seen = None
+        """Emit a `presence` event whenever the set of (peer, versions served) changes, and a `providers`
+        event whenever the signed providers record names other seeders or holders."""
+        seen, named = None, None
         while True:
-            current = {p["peer_id"]: p["versions_served"] for p in self.presence.snapshot(max(self.version, 0))}
-            if current != seen:
-                seen = current
-                emit("presence", peers=current)
-            time.sleep(every_s)
+            try:
+                seen, named = self._watch_once(seen, named)
+            except Exception as exc:  # never die silently: tests wait on these events
+                emit("warning", message=f"presence watch: {exc.__class__.__name__}: {exc}")
+            time.sleep(min(every_s, 1.0))
+
+    def _watch_once(self, seen, named):
+        current = {p["peer_id"]: p["versions_served"] for p in self.presence.snapshot(max(self.version, 0))}
+        if current != seen:
+            seen = current
+            emit("presence", peers=current, reads=self.presence.reads, read_stats=dict(self.presence.read_stats))
+        record = self.providers.last_record
+        now_named = (record.seeders, tuple((h.peer_id, h.versions) for h in record.holders)) if record else None
+        if now_named != named:
+            named = now_named
+            emit("providers", version=record.version, seeders=list(record.seeders),
+                 holders={h.peer_id: list(h.versions) for h in record.holders}, desk=self.providers.status())
+        return seen, named
 
     def publish(self) -> None:
         self.version += 1
@@ -159,12 +181,14 @@ def run_follower(args, server_cls=None) -> int:
     data_dir.mkdir(parents=True, exist_ok=True)
     spec = join_spec(args.address, args.coordinator)
     identity, _ = Identity.load_or_create(data_dir / "identity.key")
-    node = open_node(bootstrap=spec.bootstrap, data_dir=data_dir, identity=identity, client_mode=False)
+    node = open_node(bootstrap=spec.bootstrap, data_dir=data_dir, identity=identity, client_mode=args.client_mode,
+                     host=args.host, use_auto_relay=args.auto_relay or bool(args.relay), relays=tuple(args.relay))
     run_id = args.run_id or node.call(spec.coordinator_peer_id, streams.INFO, b"", max_response_bytes=256).decode()
     sync = AdapterSync(node, coordinator_peer_id=spec.coordinator_peer_id, coordinator_key=spec.coordinator_key,
                        run_id=run_id)
     member = SwarmMembership(node, identity=identity, sync=sync, run_id=run_id, name=args.name,
-                             bootstrap=spec.bootstrap, serve=not args.no_serve, upload_bps=args.upload_bps,
+                             bootstrap=spec.bootstrap, serve=not (args.no_serve or args.client_mode),
+                             upload_bps=args.upload_bps,
                              poll_s=args.poll_s, server_cls=server_cls,
                              out=lambda m: emit("warning", message=m)).start()
     stop = threading.Event()
@@ -182,7 +206,7 @@ def run_follower(args, server_cls=None) -> int:
                  cpu_s=round(cpu_now - cpu_at, 3),
                  digest=digest(got.manifest.tensors, got.tensors, args.digest), stats=sync.fetcher.stats.as_dict())
             cpu_at = cpu_now
-        peers = len(sync.presence.records)
+        peers = len(sync.providers.record.seeders) if sync.providers.record is not None else 0  # vouched seeders
         if peers != peers_seen:
             peers_seen = peers
             emit("peers", name=args.name, peers=peers)
@@ -190,10 +214,69 @@ def run_follower(args, server_cls=None) -> int:
             last_status = time.time()
             write_json_atomic(data_dir / "status.json", {"name": args.name, "peer_id": node.peer_id, "maddrs": member.maddrs,
                                                   "held": held,
-                                                  "peers": peers, "banned": sync.fetcher.banned, **member.stats()})
+                                                  "peers": peers, "banned": sync.fetcher.banned,
+                                                  "relayed_dials": node.relayed_dials, **member.stats()})
         stop.wait(0.05)
     member.stop()
     node.shutdown()
+    return 0
+
+
+# ---- volunteer (real client, scripted engine) ---------------------------------------------------------
+
+
+class ScriptedEngine:
+    """The Engine interface (client/engine.py) without a model: random completion tokens, logprobs made up."""
+
+    def __init__(self, seed: int = 0):
+        import random
+
+        from asyncrl.models import tinymodel
+
+        self.tokenizer = tinymodel.build_tokenizer()
+        self.rng = random.Random(seed)
+        self.version: int | None = None
+        self.loaded = 0
+
+    def load_adapter(self, version: int, specs, blobs: dict[str, bytes]) -> None:
+        self.version, self.loaded = version, self.loaded + 1
+
+    def generate(self, prompts, group_size: int, sampling):
+        from asyncrl.client.engine import Sample
+
+        vocab = len(self.tokenizer) - 1
+        out = []
+        for _ in prompts:
+            group = []
+            for _ in range(group_size):
+                ids = [self.rng.randint(1, vocab) for _ in range(self.rng.randint(1, sampling.max_new_tokens))]
+                group.append(Sample(ids, [-0.5] * len(ids), "length"))
+            out.append(group)
+        return out
+
+
+def run_volunteer(args) -> int:
+    from asyncrl.client.worker import Volunteer, VolunteerConfig
+
+    class LabVolunteer(Volunteer):
+        def _load(self, adapter) -> None:
+            super()._load(adapter)
+            emit("held", name=args.name, version=adapter.version, t_held=adapter.held_at)
+
+    cfg = VolunteerConfig(address=args.address, data_dir=Path(args.data_dir), name=args.name, quiet=True,
+                          display="quiet", prompts_per_batch=args.prompts_per_batch, host=args.host,
+                          coordinator=args.coordinator)
+    vol = LabVolunteer(cfg, out=lambda m: emit("info", message=m))
+    vol.engine = ScriptedEngine(seed=args.seed)
+    vol.model_name = "scripted"
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *a: (stop.set(), vol.stop.set()))
+    vol.connect()
+    emit("joined", name=args.name, peer_id=vol.node.peer_id, run_id=vol.run_id)
+    current = vol.wait_for_adapter(timeout=300)
+    vol._load(current)
+    vol.run()
+    vol.shutdown()
     return 0
 
 
@@ -223,8 +306,20 @@ def build_parser() -> argparse.ArgumentParser:
     fol.add_argument("--run-id", default=None)
     fol.add_argument("--upload-bps", type=int, default=0)
     fol.add_argument("--no-serve", action="store_true")
+    fol.add_argument("--host", default="127.0.0.1", help="listen address (0.0.0.0 inside a network namespace)")
+    fol.add_argument("--client-mode", action="store_true", help="outbound connections only (behind NAT)")
+    fol.add_argument("--auto-relay", action="store_true", help="behind NAT: reserve a relay slot (the bootstrap peers)")
+    fol.add_argument("--relay", action="append", default=[], help="a relay multiaddr (repeatable; implies --auto-relay)")
     fol.add_argument("--poll-s", type=float, default=2.0, help="DHT pointer poll (pushes usually come first)")
     fol.add_argument("--digest", choices=["sha256", "crc32"], default="sha256", help="of the decoded tensors")
+    vol = sub.add_parser("volunteer", help="the real client with a scripted engine: follow, serve, lease, submit")
+    vol.add_argument("address")
+    vol.add_argument("--data-dir", required=True)
+    vol.add_argument("--name", default="volunteer")
+    vol.add_argument("--coordinator", default=None)
+    vol.add_argument("--host", default="127.0.0.1")
+    vol.add_argument("--prompts-per-batch", type=int, default=4)
+    vol.add_argument("--seed", type=int, default=0)
     return p
 
 
@@ -232,6 +327,8 @@ def main(argv: list[str] | None = None, *, server_cls=None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "publish":
         return run_publisher(args)
+    if args.command == "volunteer":
+        return run_volunteer(args)
     return run_follower(args, server_cls=server_cls)
 
 

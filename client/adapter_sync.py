@@ -5,8 +5,9 @@ signed by that key (anything else in the DHT is ignored). Every chunk is checked
 manifest's sha256 before it is decoded. A delta is decoded against the parent we hold; a client that
 does not hold the parent walks from the latest keyframe.
 
-Swarm (docs/transport.md): manifests and chunks come from peers first and the coordinator last
-(`asyncrl.swarm.fetch`); every version fetched is kept in an AdapterStore and, after `serve()`,
+Swarm (docs/transport.md, docs/scale.md): manifests and chunks come from the peers the coordinator's
+signed providers record vouches for first and the coordinator last (`asyncrl.swarm.fetch`,
+`asyncrl.swarm.providers`); every version fetched is kept in an AdapterStore and, after `serve()`,
 served to other volunteers (`asyncrl.swarm.serving`), also while it is still arriving.
 `start_following()` moves pointer polling and fetching to a background thread, so a volunteer busy
 generating still fetches (and serves) new versions at once; `poll()` then just hands over the newest.
@@ -42,7 +43,8 @@ class AdapterVersion:
 
 class AdapterSync:
     def __init__(self, node, *, coordinator_peer_id: str, coordinator_key: bytes, run_id: str):
-        from asyncrl.swarm.fetch import PresenceCache, SwarmFetcher
+        from asyncrl.swarm.fetch import SwarmFetcher
+        from asyncrl.swarm.providers import ProvidersCache
         from asyncrl.swarm.serving import AdapterStore
 
         self.node = node
@@ -55,9 +57,9 @@ class AdapterSync:
         self._manifest_raw: dict[int, bytes] = {}
         self._coordinator_manifests_only = False
         self.store = AdapterStore()
-        self.presence = PresenceCache(node, run_id)
+        self.providers = ProvidersCache(node, run_id, coordinator_peer_id, coordinator_key)
         self.fetcher = SwarmFetcher(node, run_id=run_id, coordinator_peer_id=coordinator_peer_id, store=self.store,
-                                    presence=lambda: self.presence.records, serving_self=False)
+                                    providers=lambda: self.providers.record)
         self.server = None
         self.bootstrap: list[str] = []  # multiaddrs to re-dial when the coordinator dropped out of the DHT
         self.on_new_version = None  # called (follower thread) after each newly fetched version
@@ -77,7 +79,6 @@ class AdapterSync:
         from asyncrl.swarm.serving import AdapterServer
 
         self.server = (server_cls or AdapterServer)(self.node, self.run_id, self.store, upload_bps=upload_bps).start()
-        self.fetcher.serving_self = True  # we now take our turn as a seeder of fresh chunks
         self.store.on_unknown_version = lambda version: self._wake.set()  # someone has news: look now
 
         async def pointer(request: bytes, peer: str) -> bytes:
@@ -98,7 +99,7 @@ class AdapterSync:
             last_check, last_warning = time.monotonic(), ""
             while not self._stop.is_set():
                 try:
-                    self.presence.maybe_refresh()
+                    self.providers.maybe_refresh()
                     got = self.refresh()
                     if got is not None:
                         self._newest = got
@@ -163,6 +164,7 @@ class AdapterSync:
                 self.store.clear()
             start = pointer.version
             t0 = time.monotonic()
+            self.providers.ensure(start)  # this version's seeders, before anyone asks anyone
             # Walk parent links back to something we can decode from: a keyframe or a version we hold.
             chain = [self._manifest(start, expected_sha256=pointer.manifest_sha256)]
             while chain[-1].parent_version is not None and chain[-1].parent_version not in self._held:

@@ -25,8 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="asyncrl-client", description="asyncrl volunteer client")
     sub = p.add_subparsers(dest="command", required=True)
     join = sub.add_parser("join", help="join a swarm at ADDRESS and contribute rollouts")
-    join.add_argument("address", help="the multiaddr the coordinator printed (ends in /p2p/<peer id>), or any "
-                                      "peer's address together with --coordinator")
+    join.add_argument("address", nargs="+",
+                      help="the multiaddr the coordinator printed (ends in /p2p/<peer id>), or any peer's address "
+                           "together with --coordinator; several may be given (any one that answers suffices)")
     join.add_argument("--data-dir", type=Path, default=default_data_dir(), help="identity, outbox, status")
     join.add_argument("--name", default="", help="display name shown to the operator")
     join.add_argument("--model", default=None, help="local copy of the base model (default: the manifest's)")
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         join_spec(args.address, args.coordinator)  # a bad --coordinator fails here too
         swarm = swarm_config(args)
-        check_reachable(parse_join_address(args.address))
+        check_reachable([parse_join_address(a) for a in args.address])
     except (BadAddress, ValueError) as exc:
         return fail(str(exc), 2)
     except TransportError as exc:
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     from .engine import EngineUnavailable
     from .worker import BaseModelMismatch, Volunteer, VolunteerConfig
 
-    cfg = VolunteerConfig(address=args.address, data_dir=args.data_dir, name=args.name, model=args.model,
+    cfg = VolunteerConfig(address=args.address[0], more_addresses=tuple(args.address[1:]), data_dir=args.data_dir, name=args.name, model=args.model,
                           max_batches=args.max_batches, prompts_per_batch=args.prompts_per_batch,
                           client_mode=args.client_mode, seed=args.seed, quiet=args.quiet, engine=args.engine,
                           gpu_memory_utilization=args.gpu_memory_utilization,
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         vol = Volunteer(cfg)
     except ProtocolError as exc:
-        return fail(f"{args.address!r}: {exc.detail}", 2)
+        return fail(f"{' '.join(args.address)!r}: {exc.detail}", 2)
 
     def on_signal(signum):
         if vol.stop.is_set():

@@ -8,8 +8,9 @@ Owned by the swarm transport (docs/transport.md). The hub (client/worker.py) cal
   - AdapterSync follows the pointer in the background and fetches from peers first;
   - the adapter versions this volunteer holds are served to other volunteers (unless client mode
     or `--no-serve`), paced by `--max-upload-mbps`;
-  - a presence record (version generated with, versions served, throughput) is re-announced every
-    few seconds, and soon after a new version arrived;
+  - a presence record (version generated with, versions served, throughput) is re-announced in its
+    own presence shard every ~8 s (jittered), and soon after a new version arrived; it names no
+    addresses (a restarted coordinator dials back only addresses it saw us connect from);
   - the coordinator's pushes of new pointers are accepted on `asyncrl.<run>.pointer` (verified);
   - the follower re-dials the bootstrap address when the coordinator dropped out of the DHT.
 
@@ -34,10 +35,11 @@ def open_node(*, bootstrap, data_dir: Path, identity, client_mode: bool, host: s
 
     identity.write_libp2p_identity(data_dir / "p2p.identity")
     proto = "ip6" if ":" in host else "ip4"
+    # --auto-relay says "I am behind NAT": reserve at the relays now rather than after AutoNAT agrees
     return SwarmNode(initial_peers=list(bootstrap), host_maddrs=[f"/{proto}/{host}/tcp/{port}"],
                      announce_maddrs=list(announce) or None, client_mode=client_mode,
                      identity_path=str(data_dir / "p2p.identity"), use_relay=use_relay, use_auto_relay=use_auto_relay,
-                     trusted_relays=tuple(relays))
+                     trusted_relays=tuple(relays), force_reachability="private" if use_auto_relay else None)
 
 
 class SwarmMembership:
@@ -64,7 +66,7 @@ class SwarmMembership:
         else:
             self.sync.store.keep = 1  # nobody asks us: keep only what the next delta needs
         self.sync.bootstrap = self.bootstrap
-        if self.serve:  # announced in presence so a restarted coordinator can call us back
+        if self.serve:  # shown in status.json (presence names no addresses: swarm/records.py)
             self.maddrs = [m.split("/p2p/")[0] for m in self.node.visible_maddrs()][:8]
         self.beacon = PresenceBeacon(self.node, self.identity, self.run_id, self.name, self._presence_fields,
                                      out=self.out).start()
@@ -74,7 +76,7 @@ class SwarmMembership:
 
     def _presence_fields(self) -> dict:
         fields = {"versions": self.sync.versions_served() if self.serve else [], "serving": self.serve,
-                  "upload_bps": self.upload_bps, "maddrs": self.maddrs,
+                  "upload_bps": self.upload_bps,
                   "adapter_version": self.sync.current.version if self.sync.current else -1}
         fields.update(self.snapshot())
         return fields
@@ -85,6 +87,8 @@ class SwarmMembership:
                 "served": {"bytes": server.stats.bytes_sent, "chunks": server.stats.chunks_sent,
                            "manifests": server.stats.manifests_sent} if server is not None else None,
                 "presence_announced": self.beacon.announced if self.beacon else 0,
+                "providers": {"reads": self.sync.providers.reads, "bytes": self.sync.providers.bytes_read,
+                              "seeders": len(self.sync.providers.record.seeders) if self.sync.providers.record else 0},
                 "sync_errors": self.sync.errors}
 
     def stop(self) -> None:

@@ -58,6 +58,7 @@ class VolunteerConfig:
     hold_version: int = 0  # EXPERIMENT-ONLY: generate with the adapter K versions behind (client/version_hold.py)
     # swarm (client/swarm_member.py, docs/transport.md)
     coordinator: str | None = None  # coordinator peer id when `address` is another peer's (bootstrap only)
+    more_addresses: tuple[str, ...] = ()  # further bootstrap addresses: any one that answers suffices
     serve: bool = True  # re-serve held adapter versions to other volunteers (off in client mode)
     max_upload_bps: int = 0  # cap on adapter bytes served to peers per second; 0 = unlimited
     host: str = "127.0.0.1"  # listen address (the CLI's default is 0.0.0.0, so other volunteers reach us)
@@ -102,7 +103,7 @@ class Volunteer:
         self.addr = parse_join_address(cfg.address)  # BadAddress before anything starts
         from asyncrl.swarm.bootstrap import join_spec
 
-        self.join = join_spec(cfg.address, cfg.coordinator)  # whose key we trust (the address's or --coordinator)
+        self.join = join_spec([cfg.address, *cfg.more_addresses], cfg.coordinator)  # whose key we trust
         self.coordinator_peer_id = self.join.coordinator_peer_id
         self.coordinator_key = self.join.coordinator_key
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
@@ -119,11 +120,11 @@ class Volunteer:
 
     # ---- start-up ---------------------------------------------------------------------------
     def connect(self, run_id: str | None = None, timeout: float = 60.0) -> None:
-        from asyncrl.swarm.transport import check_reachable
+        from asyncrl.swarm.transport import check_reachable, parse_join_address
 
         from .adapter_sync import AdapterSync
 
-        check_reachable(self.addr)
+        check_reachable([parse_join_address(a) for a in self.join.bootstrap])
         from .swarm_member import SwarmMembership, open_node
 
         self.node = open_node(bootstrap=self.join.bootstrap, data_dir=self.cfg.data_dir, identity=self.identity,

@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--host", default=d.host, help="IP to listen on (0.0.0.0 for all interfaces)")
     run.add_argument("--port", type=int, default=d.port, help="TCP port for libp2p (0 = any free port)")
     run.add_argument("--announce", action="append", default=[], help="multiaddr to announce (repeatable)")
+    run.add_argument("--initial-peers", action="append", default=[], metavar="MULTIADDR",
+                     help="join an existing DHT through this peer, e.g. a stock hivemind-dht node (repeatable; "
+                          "any one that answers suffices)")
     run.add_argument("--seed", type=int, default=d.seed)
     run.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ckpt = run.add_argument_group("checkpoints and tasks (docs/checkpoints.md, docs/tasks.md)")
@@ -148,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGUSR1, lambda signum, frame: coord.telemetry.request_plot())
     from asyncrl.tasks.sources import TaskSourceError
 
+    from asyncrl.swarm.transport import TransportError
+
     from .checkpoint import CheckpointError
 
     try:
@@ -156,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, TaskSourceError) as exc:
         print(f"asyncrl-coordinator: {exc}", file=sys.stderr)
         return 2
+    except TransportError as exc:
+        print(f"asyncrl-coordinator: {exc}", file=sys.stderr)
+        return 1
     finally:
         if hasattr(getattr(coord, "learner", None), "close"):
             coord.learner.close()  # DDP: release the other ranks

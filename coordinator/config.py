@@ -28,6 +28,21 @@ def _loss_problem(loss: LossConfig) -> str | None:
     return None
 
 
+def _bad_peer_address(addresses) -> str | None:
+    """Why one of `addresses` is not a multiaddr naming a peer (/p2p/<id>), or None."""
+    from multiaddr import Multiaddr
+
+    for text in addresses:
+        try:
+            ma = Multiaddr(text)
+            peer = ma.value_for_protocol("p2p")
+        except Exception:
+            peer = None
+        if not peer:
+            return f"{text!r} is not a multiaddr ending in /p2p/<peer id> (e.g. /ip4/203.0.113.1/tcp/31337/p2p/12D3KooW...)"
+    return None
+
+
 @dataclass
 class CoordinatorConfig:
     run_id: str = "demo"
@@ -153,6 +168,10 @@ class CoordinatorConfig:
     """TCP port for libp2p (0 = any free port)."""
     announce: tuple[str, ...] = ()
     """Multiaddrs to announce instead of the listen addresses (public IP behind NAT / port forward)."""
+    initial_peers: tuple[str, ...] = ()
+    """DHT peers to join (multiaddrs ending in /p2p/<peer id>): a stock `hivemind-dht` node or any peer of an
+    existing DHT; any one that answers suffices. Empty: this coordinator starts the DHT (volunteers then
+    bootstrap from it or from each other)."""
     max_batch_bytes: int = 8 * 1024 * 1024
     """Largest signed rollout batch accepted; bigger uploads are refused before they are read."""
     timestamp_window_s: float = 300.0
@@ -282,6 +301,7 @@ class CoordinatorConfig:
             (self.audit_tolerance > 0, "audit_tolerance must be > 0"),
             (self.trust_state_every_s > 0, "trust_state_every_s must be > 0"),
             (self.run_id.replace("-", "").replace("_", "").isalnum(), "run_id may hold letters, digits, - and _"),
+            (_bad_peer_address(self.initial_peers) is None, f"initial_peers: {_bad_peer_address(self.initial_peers)}"),
         ]
         for ok, message in checks:
             if not ok:

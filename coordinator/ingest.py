@@ -91,6 +91,10 @@ class Ingest:
         self.sampling = sampling  # what leases promise; a batch claiming other sampling params is MALFORMED
         self.verdicts: deque[dict] = deque(maxlen=1024)  # recent outcomes, newest last (trust.json, tests)
         self._reserved = 0  # queue slots held by batches being verified (room is checked before the nonce)
+        # Lets `exact` rewards be re-scored without decoding most completions (tasks/rewards.py).
+        self.bounds = tasks.PrintableTable(tokenizer, vocab_size) if tokenizer is not None else None
+        if self.bounds is not None and self.bounds.table is None:
+            self.bounds = None
 
     def note_client(self, signer: bytes, name: str = "") -> None:
         """A volunteer asked for work: remember its chosen name and when it was last seen."""
@@ -222,27 +226,8 @@ class Ingest:
             raise
 
     def _verify_leased(self, opened: envelope.Opened, batch, leases, batch_id: bytes):
-        groups = []
-        for group, lease in zip(batch.groups, leases):
-            prompt_ids = np.frombuffer(group.prompt_token_ids, dtype="<i4").tolist()
-            expected_prompt = encode_prompt(self.tokenizer, lease.prompt.text)
-            if prompt_ids != list(expected_prompt):
-                raise ProtocolError(RejectCode.MALFORMED, "prompt tokens differ from the leased prompt")
-            comps, lps, rewards = [], [], []
-            for c in group.completions:
-                toks = c.token_array().tolist()
-                if len(toks) > batch.sampling.max_new_tokens:
-                    raise ProtocolError(RejectCode.MALFORMED, "completion longer than max_new_tokens")
-                text = self.tokenizer.decode(toks, skip_special_tokens=True)
-                expected = tasks.score(lease.prompt.reward, text, lease.prompt.answer)
-                if abs(expected - c.reward) > REWARD_TOLERANCE:
-                    raise ProtocolError(RejectCode.REWARD_MISMATCH,
-                                        f"claimed {c.reward:.4f}, recomputed {expected:.4f}")
-                comps.append(toks)
-                lps.append(c.logprob_array().astype(np.float32).tolist())
-                rewards.append(expected)
-            groups.append(TrainGroup(prompt_ids, comps, lps, rewards, batch.adapter_version,
-                                     batch.sampling.temperature, batch.client_name))
+        groups = [rescore_group(self.tokenizer, group, lease, batch, self.bounds)
+                  for group, lease in zip(batch.groups, leases)]
         audit = "off"
         if self.auditor is not None:  # after the (cheaper) reward check; before the leases are settled
             streak = self.access.valid_streak(opened.signer) if self.access is not None else 0
@@ -320,3 +305,37 @@ class Ingest:
             with self.lock:
                 self.queued_groups -= len(item.groups)
         return got
+
+
+def rescore_group(tokenizer, group: messages.RolloutGroup, lease, batch: messages.RolloutBatch,
+                  bounds=None) -> TrainGroup:
+    """One leased group, checked and re-scored: prompt tokens as leased, lengths within the lease, every
+    reward recomputed from the decoded completion (REWARD_MISMATCH otherwise) — or, with `bounds`
+    (tasks.PrintableTable), without decoding when the reward cannot but be 0. bench/ingest.py times it."""
+    if lease.prompt_token_ids is not None:  # as granted: the same encode_prompt, done once at lease time
+        if bytes(group.prompt_token_ids) != lease.prompt_token_ids:
+            raise ProtocolError(RejectCode.MALFORMED, "prompt tokens differ from the leased prompt")
+        prompt_ids = np.frombuffer(group.prompt_token_ids, dtype="<i4").tolist()
+    else:
+        prompt_ids = np.frombuffer(group.prompt_token_ids, dtype="<i4").tolist()
+        if prompt_ids != list(encode_prompt(tokenizer, lease.prompt.text)):
+            raise ProtocolError(RejectCode.MALFORMED, "prompt tokens differ from the leased prompt")
+    reward, answer = lease.prompt.reward, lease.prompt.answer
+    arrays = [c.token_array() for c in group.completions]
+    if any(len(a) > batch.sampling.max_new_tokens for a in arrays):
+        raise ProtocolError(RejectCode.MALFORMED, "completion longer than max_new_tokens")
+    floors = bounds.lower_bounds(arrays) if bounds is not None else [0] * len(arrays)
+    comps, lps, rewards = [], [], []
+    for c, arr, floor in zip(group.completions, arrays, floors):
+        toks = arr.tolist()
+        if bounds is not None and tasks.impossible(reward, floor, answer):
+            expected = 0.0
+        else:
+            expected = tasks.score(reward, tokenizer.decode(toks, skip_special_tokens=True), answer)
+        if abs(expected - c.reward) > REWARD_TOLERANCE:
+            raise ProtocolError(RejectCode.REWARD_MISMATCH, f"claimed {c.reward:.4f}, recomputed {expected:.4f}")
+        comps.append(toks)
+        lps.append(c.logprob_array().tolist())  # float32 already (protocol/messages.py)
+        rewards.append(expected)
+    return TrainGroup(prompt_ids, comps, lps, rewards, batch.adapter_version, batch.sampling.temperature,
+                      batch.client_name)

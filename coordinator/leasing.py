@@ -209,9 +209,11 @@ class LeaseDesk:
             else:
                 retry_after = self.fair.idle(key, proven=proven)
         sampling = self.ingest.sampling  # ingest refuses batches claiming anything else
+        for g in grants:  # kept on the lease: ingest compares the batch's prompt tokens to these bytes
+            g.prompt_token_ids = int32_bytes(encode_prompt(self.tokenizer, g.prompt.text))
         leases = tuple(messages.TaskLease(
             lease_id=g.lease_id, prompt_id=g.prompt.prompt_id, prompt=g.prompt.text,
-            prompt_token_ids=int32_bytes(encode_prompt(self.tokenizer, g.prompt.text)), answer=g.prompt.answer,
+            prompt_token_ids=g.prompt_token_ids, answer=g.prompt.answer,
             reward=g.prompt.reward, group_size=p.group_size, sampling=sampling, expires_at=g.expires_at)
             for g in grants)
         self.ingest.note_client(opened.signer, req.client_name)

@@ -297,6 +297,7 @@ class PublishWorker:
             self.published += 1
             self._cond.notify_all()
         stored = True
+        visible_at = time.time()  # from here volunteers may see it (pushed, then stored)
         try:
             self.pointer.store(pub.pointer_bytes)
         except TransportError as exc:  # the refresh stores it again
@@ -307,6 +308,7 @@ class PublishWorker:
             self.last_latency_s = t2 - export.exported_at
             record = {"version": pub.version, "codec": pub.codec, "compressed_bytes": pub.compressed_bytes,
                       "raw_bytes": pub.raw_bytes, "parent_version": pub.parent_version, "stored": stored,
+                      "visible_at": visible_at,
                       "latency_s": t2 - export.exported_at, "queue_wait_s": t0 - export.exported_at,
                       "export_s": export.export_s, "encode_s": t1 - t0, "store_s": t2 - t1,
                       "superseded_total": self.superseded, "queue_depth": int(self._pending is not None)}

@@ -96,19 +96,36 @@ class Coordinator:
 
         cfg = self.cfg
         # The DHT forks: create it before torch spins up threads or CUDA.
-        self.node = SwarmNode(host_maddrs=[f"/ip4/{cfg.host}/tcp/{cfg.port}"], announce_maddrs=cfg.announce or None,
-                              identity_path=str(self.run_dir / "p2p.identity"), inbound=inbound_limits(cfg))
+        # With initial_peers it joins an existing DHT (e.g. a stock hivemind-dht node) instead of starting one.
+        from asyncrl.swarm.transport import TransportError
+
+        try:
+            self.node = SwarmNode(initial_peers=cfg.initial_peers, host_maddrs=[f"/ip4/{cfg.host}/tcp/{cfg.port}"],
+                                  announce_maddrs=cfg.announce or None,
+                                  identity_path=str(self.run_dir / "p2p.identity"), inbound=inbound_limits(cfg))
+        except Exception as exc:
+            if not cfg.initial_peers:
+                raise
+            raise TransportError(f"could not join the DHT through --initial-peers {' '.join(cfg.initial_peers)} "
+                                 f"({exc.__class__.__name__}: {exc}); is one of them running and reachable?") from None
         assert self.node.peer_id == self.identity.peer_id, "p2pd did not adopt the coordinator key"
+        from asyncrl.swarm.providers import ProviderDesk
         from asyncrl.swarm.records import PointerRecord, PresenceTracker, call_back_then_push, install_validator
 
         install_validator(self.node, cfg.run_id, self.node.peer_id)  # only our key may write our pointer
-        # Volunteers' version lag; their addresses in peers.json, dialled back after a restart.
+        # Volunteers' version lag (all presence shards); the addresses the volunteers we vouch for were seen
+        # connecting from go to peers.json and are dialled back after a restart (docs/scale.md).
         peers_path = self.run_dir / "peers.json"
         self.presence_tracker = PresenceTracker(self.node, cfg.run_id,
                                                 save_peers=lambda known: write_json_atomic(peers_path, {"peers": known}),
-                                                load_peers=lambda: _saved_peers(peers_path))
+                                                load_peers=lambda: _saved_peers(peers_path),
+                                                keep=lambda peer: self.providers.vouched(peer) or self._proven_peer(peer))
+        # The fetch sources we vouch for (probed; volunteers with accepted batches first), signed.
+        self.providers = ProviderDesk(self.node, self.identity, cfg.run_id, self.presence_tracker,
+                                      proven=self._proven_peer)
         self.presence_tracker.start()
-        self.pointer = PointerRecord(self.node, self.identity, cfg.run_id, peers=self.presence_tracker.serving_peers)
+        self.providers.start()
+        self.pointer = PointerRecord(self.node, self.identity, cfg.run_id, providers=self.providers)
         threading.Thread(target=call_back_then_push, args=(self.presence_tracker, self.pointer), name="call-back",
                          daemon=True).start()
 
@@ -198,6 +215,8 @@ class Coordinator:
         self.out("volunteers join with:")
         for a in addrs:
             self.out(f"  asyncrl-client join {a}")
+        for peer in cfg.initial_peers:
+            self.out(f"  asyncrl-client join {peer} --coordinator {self.node.peer_id}")
         self.out(f"  (or from any volunteer's address: asyncrl-client join <its address> --coordinator {self.node.peer_id})")
         self.telemetry.start_dashboard(self.snapshot)
         self.quorum.start()
@@ -212,6 +231,10 @@ class Coordinator:
             self.out(f"volunteer {fields['name'] or fields['fingerprint']} in ({fields['joined']}/{fields['needed']})")
         elif event == "volunteers_ready":
             self.out(f"all {fields['needed']} volunteers in; training starts")
+
+    def _proven_peer(self, peer: str) -> bool:
+        access = getattr(self, "access", None)  # built after the swarm side starts
+        return access is not None and access.peer_has_accepted(peer)
 
     def _serve_handlers(self) -> None:
         cfg, node = self.cfg, self.node
@@ -333,9 +356,13 @@ class Coordinator:
             "wall_s": time.time() - self.t0,
             "torch_threads": torch.get_num_threads(),
             "presence": self.presence(),  # each volunteer's announced adapter version and lag
+            "providers": self.providers.status(),  # the fetch sources we vouch for (swarm/providers.py)
+            "presence_reads": {"rounds": self.presence_tracker.reads, **self.presence_tracker.read_stats},
             "adapter_uplink": {"bytes_sent": self.adapter_server.stats.bytes_sent,
                                "chunks_sent": self.adapter_server.stats.chunks_sent,
-                               "manifests_sent": self.adapter_server.stats.manifests_sent},
+                               "manifests_sent": self.adapter_server.stats.manifests_sent,
+                               "bytes_by_version": {str(v): n for v, n in
+                                                    sorted(self.adapter_server.stats.bytes_by_version.items())[-64:]}},
         }
         write_json_atomic(self.run_dir / "summary.json", summary, indent=2)
         return summary
@@ -373,8 +400,12 @@ class Coordinator:
         worker = getattr(self, "publish_worker", None)
         if worker is not None and not worker.close():
             self.out("warning: the publisher thread is still storing a pointer; shutting the DHT down under it")
+        for part in ("providers", "presence_tracker"):
+            if getattr(self, part, None) is not None:
+                getattr(self, part).stop()
         try:
-            self.node.shutdown()
+            if getattr(self, "node", None) is not None:
+                self.node.shutdown()
         finally:
             self.log.close()
 

@@ -13,6 +13,7 @@ prompt source's position (JSON; coordinator/checkpoint.py stores it).
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import secrets
 import threading
@@ -30,6 +31,7 @@ class Lease:
     prompt: Prompt
     client: bytes
     expires_at: float
+    prompt_token_ids: bytes | None = None  # as granted (LeaseDesk); ingest compares bytes instead of re-encoding
 
 
 class LeaseRejected(Exception):
@@ -43,6 +45,7 @@ class TaskBoard:
         self._requeued: deque[Prompt] = deque()
         self._outstanding: dict[str, Lease] = {}
         self._held: Counter[bytes] = Counter()  # client -> outstanding leases (kept in step with _outstanding)
+        self._expiry: list[tuple[float, str]] = []  # heap of (expires_at, lease_id); stale entries skipped
         self._lock = threading.Lock()
         self._clock = clock
         self.lease_timeout_s = lease_timeout_s
@@ -74,6 +77,7 @@ class TaskBoard:
                               self._clock() + self.lease_timeout_s)
                 self._outstanding[lease.lease_id] = lease
                 self._held[client] += 1
+                heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
                 out.append(lease)
             self.leased += len(out)
             return out
@@ -174,6 +178,8 @@ class TaskBoard:
                                                       max(float(d["expires_at"]), fresh))
                                  for d in state["outstanding"]}
             self._held = Counter(l.client for l in self._outstanding.values())
+            self._expiry = [(l.expires_at, lid) for lid, l in self._outstanding.items()]
+            heapq.heapify(self._expiry)
             self._requeued = deque(Prompt(**d) for d in state["requeued"])
             for k in _COUNTERS:
                 setattr(self, k, int(state["counters"].get(k, 0)))
@@ -185,12 +191,22 @@ class TaskBoard:
             return self._expire_locked()
 
     def _expire_locked(self) -> int:
+        """O(expired) per call, not O(outstanding): a heap by expiry (entries of leases already completed or
+        abandoned are dropped as they come up)."""
         now = self._clock()
-        dead = [lid for lid, l in self._outstanding.items() if l.expires_at <= now]
-        for lid in dead:
+        dead = 0
+        while self._expiry and self._expiry[0][0] <= now:
+            expires_at, lid = heapq.heappop(self._expiry)
+            lease = self._outstanding.get(lid)
+            if lease is None or lease.expires_at != expires_at:
+                continue
             self._requeued.append(self._pop_locked(lid).prompt)
-        self.expired += len(dead)
-        return len(dead)
+            dead += 1
+        if len(self._expiry) > 4 * len(self._outstanding) + 64:  # many settled leases: rebuild, bounded memory
+            self._expiry = [(l.expires_at, lid) for lid, l in self._outstanding.items()]
+            heapq.heapify(self._expiry)
+        self.expired += dead
+        return dead
 
     def _pop_locked(self, lease_id: str) -> Lease:
         lease = self._outstanding.pop(lease_id)

@@ -1,13 +1,23 @@
 """Swarm records in the DHT: their keys, who may write them, and what they say. Pure (no hivemind).
 
-Two kinds of small records per run (adapter bytes travel over P2P streams, never through the DHT)::
+Three kinds of small records per run (adapter bytes travel over P2P streams, never through the DHT)::
 
     pointer   key    asyncrl/<run>/adapter/<coordinator peer id>        (plain value, no subkey)
               value  envelope(kind "adapter_pointer", signer = that coordinator, broadcast)
                      of an AdapterPointer {run, version, manifest sha256, keyframe version, published_at}
-    presence  key    asyncrl/<run>/presence     subkey  <volunteer peer id>
+    providers key    asyncrl/<run>/providers/<coordinator peer id>      (plain value, no subkey)
+              value  envelope(kind "providers", signer = that coordinator, broadcast)
+                     of a ProvidersRecord {version, seeders, holders}: the fetch sources it vouches for
+    presence  key    asyncrl/<run>/presence/<shard>   subkey  <volunteer peer id>
               value  envelope(kind "presence", signer = the Ed25519 key inside that peer id)
                      of a PresenceRecord {adapter version held, versions served, throughput, ...}
+
+Presence is sharded so that no DHT value grows with the swarm: a volunteer writes only to shard
+`presence_shard(peer id)` (sha256 of the peer id, mod PRESENCE_SHARDS) and a record under another shard is
+refused; the coordinator is the one reader of all shards, and a reader verifies at most
+MAX_RECORDS_PER_SHARD records of a shard. Volunteers read no presence at all: they fetch only from the
+peers the coordinator's signed providers record names (docs/scale.md), so self-declared records — free
+to forge in bulk under fresh keys — decide nothing about where chunks come from.
 
 The coordinator's peer id is in the pointer's key, so each coordinator has its own pointer and a node
 that knows the join address knows whose signature the pointer needs. Every asyncrl DHT node runs
@@ -49,17 +59,61 @@ MAX_VERSIONS_SERVED = 64
 MAX_NAME_CHARS = 64
 MAX_MADDRS = 8
 MAX_MADDR_CHARS = 256
+PRESENCE_SHARDS = 64
+"""Presence shards: a value holds ~N/64 records (10,000 volunteers: ~160, ~80 KB)."""
+MAX_RECORDS_PER_SHARD = 256
+"""A reader verifies at most this many records of one shard (64 x 256 = 16,384 volunteers; docs/scale.md)."""
+PROVIDERS_TTL_S = 120.0
+"""The providers record lives this long unless re-issued (the coordinator re-issues every few seconds)."""
+MAX_SEEDERS = 64
+"""Peers named to seed a fresh version (each fetches its share of chunks from the coordinator once)."""
+MAX_HOLDERS = 64
+"""Peers named as holders of complete older versions (late joiners walking a delta chain)."""
+MAX_HOLDER_VERSIONS = 16
+MAX_PEER_ID_CHARS = 64
+MAX_PROVIDERS_BYTES = 16 * limits.KiB
 
 POINTER_KIND = "adapter_pointer"
 PRESENCE_KIND = "presence"
+PROVIDERS_KIND = "providers"
 
 
 def pointer_key(run_id: str, coordinator_peer_id: str) -> str:
     return f"asyncrl/{run_id}/adapter/{coordinator_peer_id}"
 
 
-def presence_key(run_id: str) -> str:
-    return f"asyncrl/{run_id}/presence"
+def providers_key(run_id: str, coordinator_peer_id: str) -> str:
+    return f"asyncrl/{run_id}/providers/{coordinator_peer_id}"
+
+
+def presence_shard(peer_id: str) -> int:
+    """The one presence shard `peer_id` may write to."""
+    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big") % PRESENCE_SHARDS
+
+
+def presence_key(run_id: str, shard: int) -> str:
+    if not 0 <= shard < PRESENCE_SHARDS:
+        raise ValueError(f"presence shard {shard} not in [0, {PRESENCE_SHARDS})")
+    return f"asyncrl/{run_id}/presence/{shard}"
+
+
+PeerIdStr = Annotated[str, msgspec.Meta(max_length=MAX_PEER_ID_CHARS)]
+
+
+class ProviderHolder(messages._Record):
+    peer_id: PeerIdStr
+    versions: Annotated[tuple[int, ...], msgspec.Meta(max_length=MAX_HOLDER_VERSIONS)]  # complete, newest last
+
+
+class ProvidersRecord(messages._Message):
+    """The fetch sources the coordinator vouches for (signed by it). `seeders` are fixed for `version`:
+    every fetcher computes the same chunk -> seeder assignment from them (swarm/fetch.py)."""
+
+    run_id: str
+    version: int  # the newest version published when this was issued; seeders are for it
+    issued_at: float
+    seeders: Annotated[tuple[PeerIdStr, ...], msgspec.Meta(max_length=MAX_SEEDERS)]
+    holders: Annotated[tuple[ProviderHolder, ...], msgspec.Meta(max_length=MAX_HOLDERS)]
 
 
 class PresenceRecord(messages._Message):
@@ -121,6 +175,34 @@ def manifest_matches(raw_manifest: bytes, pointer: messages.AdapterPointer) -> b
     return hashlib.sha256(raw_manifest).digest() == pointer.manifest_sha256
 
 
+# ---- providers -----------------------------------------------------------------------------------
+
+
+def seal_providers(identity: Identity, record: ProvidersRecord) -> bytes:
+    return envelope.seal(identity, PROVIDERS_KIND, messages.encode(record))
+
+
+def check_providers(value: bytes, *, coordinator_key: bytes, run_id: str, expiration_time: float | None = None,
+                    now: float | None = None) -> ProvidersRecord:
+    """Verify a providers record: the coordinator's signature, run, well-formed peer ids. Only ProtocolError escapes."""
+    now = time.time() if now is None else now
+    opened = envelope.open_envelope(value, max_bytes=MAX_PROVIDERS_BYTES, expected_kind=PROVIDERS_KIND,
+                                    expected_audience=envelope.BROADCAST, expected_signer=coordinator_key,
+                                    window_s=None)
+    record = messages.decode(opened.payload, ProvidersRecord, max_bytes=MAX_PROVIDERS_BYTES)
+    if record.run_id != run_id:
+        raise ProtocolError(RejectCode.WRONG_RUN, f"providers for run {record.run_id!r}")
+    if type(record.version) is not int or record.version < 0:
+        raise ProtocolError(RejectCode.MALFORMED, "version must be an int >= 0")
+    messages._finite(record.issued_at, "issued_at")
+    for peer in (*record.seeders, *(h.peer_id for h in record.holders)):
+        public_key_from_peer_id(peer)  # MALFORMED unless an Ed25519 peer id
+    if any(type(v) is not int or v < 0 for h in record.holders for v in h.versions):
+        raise ProtocolError(RejectCode.MALFORMED, "holder versions must be ints >= 0")
+    _check_expiration(expiration_time, opened.timestamp, PROVIDERS_TTL_S, now)
+    return record
+
+
 # ---- presence ------------------------------------------------------------------------------------
 
 
@@ -131,10 +213,13 @@ def seal_presence(identity: Identity, record: PresenceRecord) -> bytes:
 
 
 def check_presence(value: bytes, *, subkey: str, run_id: str, expiration_time: float | None = None,
-                   now: float | None = None) -> PresenceRecord:
-    """Verify a presence record stored under `subkey` (a peer id). Only ProtocolError escapes."""
+                   now: float | None = None, shard: int | None = None) -> PresenceRecord:
+    """Verify a presence record stored under `subkey` (a peer id) of presence shard `shard` (when given,
+    the peer must belong to it: NOT_ALLOWED otherwise). Only ProtocolError escapes."""
     now = time.time() if now is None else now
     signer = public_key_from_peer_id(subkey)  # MALFORMED unless an Ed25519 peer id
+    if shard is not None and presence_shard(subkey) != shard:
+        raise ProtocolError(RejectCode.NOT_ALLOWED, "presence record in another peer's shard")
     opened = envelope.open_envelope(value, max_bytes=MAX_PRESENCE_BYTES, expected_kind=PRESENCE_KIND,
                                     expected_audience=envelope.BROADCAST, expected_signer=signer, window_s=None)
     record = messages.decode(opened.payload, PresenceRecord, max_bytes=MAX_PRESENCE_BYTES)

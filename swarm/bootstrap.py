@@ -11,7 +11,9 @@ trusted source, because the bootstrap peer could be anyone:
 
 (`asyncrl-coordinator` prints both forms.) A bootstrap peer only introduces us to the DHT; libp2p finds
 the coordinator's addresses by its peer id, and nothing from an untrusted peer is believed unless the
-coordinator's key signed it.
+coordinator's key signed it. Several addresses may be given — any one that answers suffices (a stock
+`hivemind-dht` node, another volunteer, the coordinator's IPv4 and IPv6 addresses); without
+`--coordinator` they must all name the same peer, which is then the coordinator.
 
 Re-dialling. hivemind's DHT drops a peer that stops answering from its routing table. When the
 coordinator restarts (same key, same port), a volunteer that kept running would otherwise never ask it
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Sequence
 
 from asyncrl.protocol.errors import ProtocolError
 from asyncrl.protocol.identity import public_key_from_peer_id
@@ -40,19 +43,28 @@ class JoinSpec:
         return any(a.rstrip("/").endswith("/p2p/" + self.coordinator_peer_id) for a in self.bootstrap)
 
 
-def join_spec(address: str, coordinator: str | None = None) -> JoinSpec:
-    """Validate ADDRESS (BadAddress) and the optional --coordinator peer id (BadAddress too)."""
+MAX_BOOTSTRAP = 16
+
+
+def join_spec(address: str | Sequence[str], coordinator: str | None = None) -> JoinSpec:
+    """Validate the bootstrap ADDRESS(es) (BadAddress) and the optional --coordinator peer id (BadAddress too)."""
     from .transport import BadAddress, parse_join_address
 
-    addr = parse_join_address(address)
-    peer = coordinator or addr.peer_id
+    texts = [address] if isinstance(address, str) else list(address)
+    if not texts or len(texts) > MAX_BOOTSTRAP:
+        raise BadAddress(f"give 1 to {MAX_BOOTSTRAP} bootstrap addresses, got {len(texts)}")
+    addrs = [parse_join_address(t) for t in texts]
+    if coordinator is None and len({a.peer_id for a in addrs}) > 1:
+        raise BadAddress("these addresses name several peers: say which one is the coordinator with "
+                         "--coordinator <peer id> (from the operator)")
+    peer = coordinator or addrs[0].peer_id
     try:
         key = public_key_from_peer_id(peer)
     except ProtocolError:
         what = "--coordinator" if coordinator else "the address's /p2p/ part"
         raise BadAddress(f"{what} {peer!r} is not an Ed25519 peer id (12D3KooW...): the coordinator's key "
                          "must be in it, it is the trust anchor") from None
-    return JoinSpec(bootstrap=(addr.maddr,), coordinator_peer_id=peer, coordinator_key=key)
+    return JoinSpec(bootstrap=tuple(a.maddr for a in addrs), coordinator_peer_id=peer, coordinator_key=key)
 
 
 async def _rejoin(dht, node, maddr: str) -> bool:

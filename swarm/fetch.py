@@ -1,26 +1,33 @@
-"""Swarm fetch: one adapter version's manifest and chunks, from peers first and the coordinator last.
+"""Swarm fetch: one adapter version's manifest and chunks, from vouched peers first, the coordinator last.
 
-Owned by the swarm transport (docs/transport.md). Used by the volunteer's AdapterSync.
+Owned by the swarm transport (docs/transport.md, docs/scale.md). Used by the volunteer's AdapterSync.
 
-Who is asked for chunk i of version v (`SwarmFetcher.plan`), in order:
-  1. peers whose presence record says they hold v completely, rotated by i and by the fetcher, so
-     requests spread over all holders;
-  2. the chunk's *seeder*: the live serving peers (from presence, sorted by peer id, the fetcher
-     included) take turns, chunk i -> peers[(i + v) % n]. The seeder fetches its chunks from the
-     coordinator; everyone else long-polls the seeder (`wait_ms`), which answers the moment the chunk
-     has arrived. So each fresh chunk leaves the coordinator about once and the copies fan out from
-     peers, while every fetcher computes the same assignment without talking to anyone;
-  3. the coordinator — always last, and the only source when no peer is known.
+Candidates come only from the coordinator-signed providers record (swarm/providers.py) — never from
+self-declared presence, which anyone can forge in bulk. Who is asked for chunk i of version v
+(`SwarmFetcher.plan`), in order, at most MAX_PLAN_PEERS peers before the coordinator:
+  1. up to two vouched holders of v (complete), rotated by i and by the fetcher, so requests spread;
+  2. the chunk's *seeder*: the record's seeders for this version (sorted; the fetcher included if
+     named) take turns, chunk i -> seeders[(i + v) % n]. The seeder fetches its chunks from the
+     coordinator; everyone else *long-polls* it (`wait_ms`), which answers the moment the chunk has
+     arrived, and polls again while it says "not yet" (up to SEEDER_PATIENCE_S). So each fresh chunk
+     leaves the coordinator about once, and every fetcher computes the same assignment without talking;
+  3. the coordinator — always last, and the only source when nobody is vouched for yet.
+The manifest goes the same way (holders, then the seeder of chunk 0, then the coordinator).
+
+Timeouts are per peer and short (`PeerClock`): a peer's requests are timed (seconds per MiB, moving
+average) and a request gets MARGIN x the expected time, within [MIN_PEER_TIMEOUT_S, MAX_PEER_TIMEOUT_S];
+a peer never heard from gets FIRST_CONTACT_TIMEOUT_S. So a tarpit costs seconds, not a minute. The
+coordinator is the source of truth behind a possibly slow uplink: COORDINATOR_TIMEOUT_S.
+
 A chunk that fails its sha256 against the signed manifest bans its provider (BAN_S) and is asked of
-the next candidate; a provider that vanishes or refuses is skipped for this chunk. Candidates are
-re-planned (fresh presence) and retried with backoff until `fetch_timeout_s`. If the *coordinator*
-says it does not hold the version (STALE_VERSION: pruned, or it restarted and publishes other versions
-now), the fetch is abandoned at once, so the follower goes back to the pointer instead of waiting for
-bytes nobody will serve.
+the next candidate; a provider that vanishes or times out is skipped (UNREACHABLE_S). Candidates are
+re-planned (fresh providers record) and retried with backoff until `fetch_timeout_s`. If the
+*coordinator* says it does not hold the version (STALE_VERSION: pruned, or it restarted and publishes
+other versions now), the fetch is abandoned at once, so the follower goes back to the pointer.
 
-Chunks are put into the local AdapterStore as soon as they verify, so this peer serves them
-(long polls included) while it is still downloading. Runs on the SwarmNode's event loop; the
-blocking entry points (`manifest`, `payload`) are for other threads.
+Chunks are put into the local AdapterStore as soon as they verify, so this peer serves them (long
+polls included) while it is still downloading. Runs on the SwarmNode's event loop; the blocking entry
+points (`manifest`, `payload`) are for other threads.
 """
 
 from __future__ import annotations
@@ -42,10 +49,39 @@ from .streams import stream_name
 BAN_S = 600.0
 """A provider that served a chunk failing its hash is not asked again for this long."""
 UNREACHABLE_S = 20.0
-"""A provider whose stream broke is skipped for this long (it may be restarting)."""
-MIN_SEED_BPS = 1 << 20
-"""Peers capped below this upload rate (bytes/s) are not made seeders (they would hold everyone up)."""
-PRESENCE_MAX_AGE_S = 5.0
+"""A provider whose stream broke or timed out is skipped for this long (it may be restarting)."""
+MAX_PLAN_PEERS = 3
+"""Peers asked for one chunk before the coordinator (two holders and the seeder)."""
+FIRST_CONTACT_TIMEOUT_S = 5.0
+MIN_PEER_TIMEOUT_S = 2.0
+MAX_PEER_TIMEOUT_S = 10.0
+MARGIN = 4.0
+COORDINATOR_TIMEOUT_S = 30.0
+SEEDER_PATIENCE_S = 20.0
+"""How long a fetcher keeps long-polling a seeder that answers "not yet" before asking the coordinator."""
+EWMA = 0.3
+
+
+class PeerClock:
+    """Per-peer request timing -> short adaptive timeouts (module docstring)."""
+
+    def __init__(self, coordinator: str):
+        self.coordinator = coordinator
+        self._s_per_mib: dict[str, float] = {}
+
+    def timeout(self, peer: str, nbytes: int) -> float:
+        if peer == self.coordinator:
+            return COORDINATOR_TIMEOUT_S
+        rate = self._s_per_mib.get(peer)
+        if rate is None:
+            return FIRST_CONTACT_TIMEOUT_S
+        expected = rate * max(nbytes, 64 * 1024) / (1 << 20)
+        return min(MAX_PEER_TIMEOUT_S, max(MIN_PEER_TIMEOUT_S, MARGIN * expected))
+
+    def observe(self, peer: str, seconds: float, nbytes: int) -> None:
+        sample = seconds / (max(nbytes, 64 * 1024) / (1 << 20))
+        old = self._s_per_mib.get(peer)
+        self._s_per_mib[peer] = sample if old is None else (1 - EWMA) * old + EWMA * sample
 
 
 @dataclass
@@ -59,6 +95,7 @@ class FetchStats:
     hash_mismatches: int = 0
     refusals: int = 0
     failures: int = 0
+    timeouts: int = 0
     bytes_by_provider: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
     def as_dict(self) -> dict:
@@ -69,44 +106,37 @@ class FetchStats:
 
 @dataclass(frozen=True)
 class ProviderView:
-    seeders: tuple[str, ...]  # live serving peers fit to seed, sorted (the fetcher included if it serves)
-    holders: dict[int, tuple[str, ...]]  # version -> peers that announced it complete
+    seeders: tuple[str, ...]  # vouched seeders of the record's version, sorted (the fetcher included if named)
+    holders: dict[int, tuple[str, ...]]  # version -> vouched peers holding it complete
 
-
-class PresenceCache:
-    """Presence records, re-read from the DHT at most every `max_age_s` (by whoever calls refresh)."""
-
-    def __init__(self, node, run_id: str, max_age_s: float = PRESENCE_MAX_AGE_S):
-        from .records import read_presence
-
-        self._read = lambda: read_presence(node, run_id)
-        self.max_age_s = max_age_s
-        self.records: dict[str, swarm.PresenceRecord] = {}
-        self.read_at = 0.0
-
-    def maybe_refresh(self) -> None:
-        if time.monotonic() - self.read_at >= self.max_age_s:
-            self.records = self._read()
-            self.read_at = time.monotonic()
+    @classmethod
+    def of(cls, record: swarm.ProvidersRecord | None, me: str) -> "ProviderView":
+        if record is None:
+            return cls((), {})
+        holders: dict[int, list[str]] = defaultdict(list)
+        for h in record.holders:
+            if h.peer_id != me:
+                for v in h.versions:
+                    holders[v].append(h.peer_id)
+        return cls(tuple(sorted(set(record.seeders))), {v: tuple(sorted(ps)) for v, ps in holders.items()})
 
 
 class SwarmFetcher:
     def __init__(self, node, *, run_id: str, coordinator_peer_id: str, store: AdapterStore,
-                 presence: Callable[[], dict[str, swarm.PresenceRecord]] | None = None,
-                 serving_self: bool = True, max_peer_requests: int = 16, max_coordinator_requests: int = 4,
-                 peer_wait_s: float = 4.0, request_timeout_s: float = 60.0, fetch_timeout_s: float = 120.0):
+                 providers: Callable[[], swarm.ProvidersRecord | None] | None = None,
+                 max_peer_requests: int = 16, max_coordinator_requests: int = 4, peer_wait_s: float = 8.0,
+                 fetch_timeout_s: float = 120.0):
         self.node = node
         self.run_id = run_id
         self.coordinator = coordinator_peer_id
         self.me = node.peer_id
         self.store = store
-        self.presence = presence or (lambda: {})
-        self.serving_self = serving_self
+        self.providers = providers or (lambda: None)
         self.max_peer_requests = max_peer_requests
         self.max_coordinator_requests = max_coordinator_requests
         self.peer_wait_s = peer_wait_s
-        self.request_timeout_s = request_timeout_s
         self.fetch_timeout_s = fetch_timeout_s
+        self.clock = PeerClock(coordinator_peer_id)
         self.stats = FetchStats()
         self._avoid: dict[str, float] = {}  # peer -> monotonic time until which it is skipped
         self._spread = int.from_bytes(hashlib.sha256(self.me.encode()).digest()[:4], "big")
@@ -116,31 +146,25 @@ class SwarmFetcher:
         return peer != self.me and peer != self.coordinator and self._avoid.get(peer, 0.0) <= time.monotonic()
 
     def view(self) -> ProviderView:
-        records = self.presence()
-        seeders = {p for p, r in records.items()
-                   if r.serving and (r.upload_bps == 0 or r.upload_bps >= MIN_SEED_BPS) and p != self.coordinator}
-        if self.serving_self:
-            seeders.add(self.me)
-        holders: dict[int, list[str]] = defaultdict(list)
-        for p, r in records.items():
-            if r.serving and p != self.me:
-                for v in r.versions:
-                    holders[v].append(p)
-        return ProviderView(tuple(sorted(seeders)), {v: tuple(sorted(ps)) for v, ps in holders.items()})
+        return ProviderView.of(self.providers(), self.me)
+
+    def _holders(self, version: int, index: int, view: ProviderView) -> list[str]:
+        holders = [p for p in view.holders.get(version, ()) if self._usable(p)]
+        if not holders:
+            return []
+        k = (index + self._spread) % len(holders)
+        return (holders[k:] + holders[:k])[:2]
+
+    def seeder(self, version: int, index: int, view: ProviderView) -> str | None:
+        return view.seeders[(index + version) % len(view.seeders)] if view.seeders else None
 
     def plan(self, version: int, index: int, view: ProviderView) -> list[tuple[str, float]]:
-        """(peer, long-poll seconds) to try in order; the coordinator is always last."""
-        out: list[tuple[str, float]] = []
-        holders = [p for p in view.holders.get(version, ()) if self._usable(p)]
-        if holders:
-            k = (index + self._spread) % len(holders)
-            out += [(p, 0.0) for p in (holders[k:] + holders[:k])[:2]]
-        if view.seeders:
-            seeder = view.seeders[(index + version) % len(view.seeders)]
-            if self._usable(seeder) and seeder not in [p for p, _ in out]:
-                out.append((seeder, self.peer_wait_s))
-        out.append((self.coordinator, 0.0))
-        return out
+        """(peer, long-poll seconds) to try in order; at most MAX_PLAN_PEERS peers, the coordinator last."""
+        out = [(p, 0.0) for p in self._holders(version, index, view)]
+        seeder = self.seeder(version, index, view)
+        if seeder is not None and self._usable(seeder) and seeder not in [p for p, _ in out]:
+            out.append((seeder, self.peer_wait_s))
+        return out[:MAX_PLAN_PEERS] + [(self.coordinator, 0.0)]
 
     # ---- blocking entry points (from any thread but the loop's) --------------------------------
     def manifest(self, version: int, verify: Callable[[bytes], messages.AdapterManifest], *,
@@ -155,23 +179,24 @@ class SwarmFetcher:
         deadline = time.monotonic() + self.fetch_timeout_s
         attempt = 0
         while True:
-            view = self.view()
-            holders = [p for p in view.holders.get(version, ()) if self._usable(p)] if peers else []
-            k = self._spread % len(holders) if holders else 0
-            for peer in (holders[k:] + holders[:k])[:2] + [self.coordinator]:
+            plan = self.plan(version, 0, self.view()) if peers else [(self.coordinator, 0.0)]
+            for peer, wait_s in plan:
+                timeout = self.clock.timeout(peer, limits.MAX_MANIFEST_BYTES // 8) + wait_s
+                started = time.monotonic()
                 try:
                     raw = await asyncio.wait_for(
-                        self.node.acall(peer, stream_name(self.run_id, streams.MANIFEST), manifest_request(version),
-                                        max_response_bytes=limits.MAX_MANIFEST_BYTES), self.request_timeout_s)
+                        self.node.acall(peer, stream_name(self.run_id, streams.MANIFEST), manifest_request(version, wait_s),
+                                        max_response_bytes=limits.MAX_MANIFEST_BYTES), timeout)
                 except ProtocolError as exc:
                     self.stats.refusals += 1
                     if peer == self.coordinator and exc.code == RejectCode.STALE_VERSION:
                         raise  # the source of truth does not hold it (any more): back to the pointer
                     continue
-                except Exception:
-                    self.stats.failures += 1
-                    self._skip(peer, UNREACHABLE_S)
+                except Exception as exc:
+                    self._failed(peer, exc)
                     continue
+                if wait_s == 0:
+                    self.clock.observe(peer, time.monotonic() - started, len(raw))
                 try:
                     manifest = verify(raw)
                 except ProtocolError:
@@ -212,8 +237,13 @@ class SwarmFetcher:
                     if peer != self.coordinator and not self._usable(peer):
                         continue
                     slots = coordinator_slots if peer == self.coordinator else peer_slots
-                    async with slots:
-                        data = await self._chunk(peer, manifest, i, wait_s)
+                    patience = time.monotonic() + (SEEDER_PATIENCE_S if wait_s > 0 else 0.0)
+                    while True:
+                        async with slots:
+                            data, outcome = await self._chunk(peer, manifest, i, wait_s)
+                        # a seeder that says "not yet" is polled again: its copy is on the way
+                        if outcome != "refused" or wait_s == 0 or time.monotonic() > patience or not self._usable(peer):
+                            break
                     if data is not None:
                         results[i] = data
                         self.store.put_chunk(version, i, data, manifest_bytes=manifest_bytes)
@@ -240,27 +270,31 @@ class SwarmFetcher:
             raise ProtocolError(RejectCode.MALFORMED, "payload size differs from the manifest")
         return payload
 
-    async def _chunk(self, peer: str, manifest: messages.AdapterManifest, index: int, wait_s: float) -> bytes | None:
+    async def _chunk(self, peer: str, manifest: messages.AdapterManifest, index: int,
+                     wait_s: float) -> tuple[bytes | None, str]:
+        """(chunk, "ok") or (None, "refused" | "failed" | "bad")."""
+        started = time.monotonic()
         try:
             data = await asyncio.wait_for(
                 self.node.acall(peer, stream_name(self.run_id, streams.CHUNK), chunk_request(manifest.version, index, wait_s),
                                 max_response_bytes=manifest.chunk_bytes),
-                wait_s + self.request_timeout_s)
+                wait_s + self.clock.timeout(peer, manifest.chunk_bytes))
         except ProtocolError as exc:
-            self.stats.refusals += 1  # not held (yet): not the provider's fault
+            self.stats.refusals += 1  # not held (yet), or rate-limited: not the provider's fault
             if peer == self.coordinator and exc.code == RejectCode.STALE_VERSION:
                 raise  # the coordinator does not hold this version: abandon the fetch (see module docstring)
-            return None
-        except Exception:
-            self.stats.failures += 1  # vanished, unreachable or timed out
-            self._skip(peer, UNREACHABLE_S)
-            return None
+            return None, "refused"
+        except Exception as exc:
+            self._failed(peer, exc)
+            return None, "failed"
+        if wait_s == 0:
+            self.clock.observe(peer, time.monotonic() - started, len(data))
         try:
             codec.verify_chunk(data, manifest.chunk_hashes[index])
         except ProtocolError:
             self.stats.hash_mismatches += 1
             self._skip(peer, BAN_S)
-            return None
+            return None, "bad"
         if peer == self.coordinator:
             self.stats.chunks_from_coordinator += 1
             self.stats.bytes_from_coordinator += len(data)
@@ -268,7 +302,13 @@ class SwarmFetcher:
             self.stats.chunks_from_peers += 1
             self.stats.bytes_from_peers += len(data)
         self.stats.bytes_by_provider[peer] += len(data)
-        return data
+        return data, "ok"
+
+    def _failed(self, peer: str, exc: BaseException) -> None:
+        self.stats.failures += 1  # vanished, unreachable or timed out
+        if isinstance(exc, asyncio.TimeoutError):
+            self.stats.timeouts += 1
+        self._skip(peer, UNREACHABLE_S)
 
     def _skip(self, peer: str, seconds: float) -> None:
         if peer != self.coordinator:  # the coordinator is never avoided: it is the source of truth

@@ -1,18 +1,25 @@
 """Swarm records on the hivemind DHT: the validator every node runs, and who writes/reads what.
 
-Owned by the swarm transport (docs/transport.md); the record formats and checks themselves are pure
-and live in `asyncrl.protocol.swarm`. Components:
+Owned by the swarm transport (docs/transport.md, docs/scale.md); the record formats and checks
+themselves are pure and live in `asyncrl.protocol.swarm`. Components:
 
   SwarmRecordValidator  hivemind RecordValidatorBase: on every node (coordinator and volunteers),
-                        refuses pointer records not signed by the coordinator and presence records not
-                        signed by the peer they describe, whether asked to store them or handed them
-                        in an answer. Other keys pass untouched (validators compose).
-  PointerRecord         coordinator side: store the signed pointer (refresh = re-seal + store) and push
-                        it straight to the live volunteers' `pointer` handler, so they need not wait for
-                        their next DHT poll (the DHT stays the source of truth for everyone else).
-  PresenceBeacon        volunteer side: a thread that re-announces this peer every few seconds.
-  read_presence         the live, verified presence records of a run (fetchers pick providers).
-  PresenceTracker       coordinator side: polls presence and reports each volunteer's version lag.
+                        refuses pointer and providers records not signed by the coordinator, and presence
+                        records not signed by the peer they describe or filed under another peer's shard,
+                        whether asked to store them or handed them in an answer. Other keys pass untouched.
+  PointerRecord         coordinator side: store the signed pointer (refresh = re-seal + store); on each new
+                        version first let the ProviderDesk (swarm/providers.py) issue the providers record,
+                        then push the pointer straight to the peers it vouches for, then store it in the DHT.
+  PresenceBeacon        volunteer side: a thread that re-announces this peer in its own presence shard
+                        every ~8 s (jittered, so a swarm's announcements do not come in waves).
+  read_presence         the live, verified presence records of some (the coordinator: all) shards, at most
+                        MAX_RECORDS_PER_SHARD verified per shard.
+  PresenceTracker       coordinator side: reads every shard (jittered), reports each volunteer's version lag,
+                        and remembers where the volunteers it vouches for actually connect from (peers.json).
+
+Call-backs after a restart dial only addresses p2pd *observed* on an authenticated connection of a peer
+the coordinator vouches for — never the addresses a record claims: a presence record is signed by its
+peer, but what it says about addresses could name anyone's machine.
 
 hivemind hashes keys before they reach a validator (`record.key` is DHTID bytes), so the validator
 precomputes the ids of the keys it protects; it therefore needs the run id and the coordinator's
@@ -21,6 +28,7 @@ peer id, which every asyncrl node knows from its join address.
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from typing import Callable
@@ -35,11 +43,13 @@ from asyncrl.protocol.identity import Identity, public_key_from_peer_id
 
 from .streams import POINTER, stream_name
 
-PRESENCE_EVERY_S = 5.0
-"""A volunteer re-announces itself this often (records expire after swarm.PRESENCE_TTL_S)."""
+PRESENCE_EVERY_S = 8.0
+"""A volunteer re-announces itself about this often, +-JITTER (records expire after swarm.PRESENCE_TTL_S)."""
 ANNOUNCE_SOON_S = 1.5
 """...and this long after it holds a new version."""
+JITTER = 0.2
 TRACK_EVERY_S = 5.0
+"""The coordinator re-reads every presence shard about this often (+-JITTER)."""
 PUSH_PARALLEL = 32
 MAX_CALL_BACKS = 256
 PUSH_TIMEOUT_S = 5.0
@@ -56,25 +66,28 @@ class SwarmRecordValidator(RecordValidatorBase):
         self.run_id = run_id
         self.coordinator_key = public_key_from_peer_id(coordinator_peer_id)
         self._pointer_id = _key_id(swarm.pointer_key(run_id, coordinator_peer_id))
-        self._presence_id = _key_id(swarm.presence_key(run_id))
+        self._providers_id = _key_id(swarm.providers_key(run_id, coordinator_peer_id))
+        self._shards = {_key_id(swarm.presence_key(run_id, s)): s for s in range(swarm.PRESENCE_SHARDS)}
 
     def validate(self, record: DHTRecord) -> bool:
-        if record.key not in (self._pointer_id, self._presence_id):
+        shard = self._shards.get(record.key)
+        if shard is None and record.key not in (self._pointer_id, self._providers_id):
             return True  # not ours to police
         try:
             value = MSGPackSerializer.loads(record.value)
             if not isinstance(value, bytes):
                 return False
-            if record.key == self._pointer_id:
+            if shard is None:
                 if record.subkey != _REGULAR:
                     return False
-                swarm.check_pointer(value, coordinator_key=self.coordinator_key, run_id=self.run_id,
-                                    expiration_time=record.expiration_time)
+                check = swarm.check_pointer if record.key == self._pointer_id else swarm.check_providers
+                check(value, coordinator_key=self.coordinator_key, run_id=self.run_id,
+                      expiration_time=record.expiration_time)
             else:
                 subkey = MSGPackSerializer.loads(record.subkey)
                 if not isinstance(subkey, str):
                     return False
-                swarm.check_presence(value, subkey=subkey, run_id=self.run_id,
+                swarm.check_presence(value, subkey=subkey, run_id=self.run_id, shard=shard,
                                      expiration_time=record.expiration_time)
             return True
         except ProtocolError:
@@ -85,7 +98,7 @@ class SwarmRecordValidator(RecordValidatorBase):
     def merge_with(self, other: RecordValidatorBase) -> bool:
         # Two validators for the same run and coordinator are one; others stay separate.
         return (isinstance(other, SwarmRecordValidator) and other._pointer_id == self._pointer_id
-                and other._presence_id == self._presence_id)
+                and other._providers_id == self._providers_id)
 
 
 def install_validator(node, run_id: str, coordinator_peer_id: str) -> SwarmRecordValidator:
@@ -97,22 +110,26 @@ def install_validator(node, run_id: str, coordinator_peer_id: str) -> SwarmRecor
 
 class PointerRecord:
     """The coordinator's pointer in the DHT. `store` a freshly sealed pointer; `refresh` re-seals the
-    latest one (a new timestamp lets the record live another TTL; see protocol/swarm.py). `peers()`
-    names the volunteers to push each new pointer to (PresenceTracker.serving_peers)."""
+    latest one (a new timestamp lets the record live another TTL; see protocol/swarm.py). `providers`
+    (a swarm/providers.py ProviderDesk) issues the providers record for each new version before anyone
+    can see its pointer, and names the peers to push each pointer to."""
 
-    def __init__(self, node, identity: Identity, run_id: str, peers: Callable[[], list[str]] | None = None):
+    def __init__(self, node, identity: Identity, run_id: str, providers=None):
         self.node = node
         self.identity = identity
         self.run_id = run_id
         self.key = swarm.pointer_key(run_id, identity.peer_id)
-        self.peers = peers
+        self.providers = providers
         self.pushed = 0
         self.last: bytes | None = None
 
     def store(self, sealed_pointer: bytes) -> bool:
         self.last = sealed_pointer
-        if self.peers is not None:
-            self.push_to(list(self.peers()))
+        if self.providers is not None:
+            pointer, _ = swarm.check_pointer(sealed_pointer, coordinator_key=self.identity.public_key,
+                                             run_id=self.run_id)
+            self.providers.on_publish(pointer.version)  # seeders for this version, in the DHT first
+            self.push_to(self.providers.push_targets())
         return self.node.store(self.key, sealed_pointer, swarm.POINTER_TTL_S)
 
     def push_to(self, peers: list[str]) -> None:
@@ -186,58 +203,84 @@ class PresenceBeacon:
                 self._wake.wait(left)
                 self._wake.clear()
                 continue
-            self._due = time.monotonic() + self.every_s
+            self._due = time.monotonic() + self.every_s * random.uniform(1 - JITTER, 1 + JITTER)
             try:
                 sealed = swarm.seal_presence(self.identity, self.record())
-                self.node.store(swarm.presence_key(self.run_id), sealed, swarm.PRESENCE_TTL_S,
-                                subkey=self.identity.peer_id)
+                self.node.store(swarm.presence_key(self.run_id, swarm.presence_shard(self.identity.peer_id)), sealed,
+                                swarm.PRESENCE_TTL_S, subkey=self.identity.peer_id)
                 self.announced += 1
             except Exception as exc:  # the DHT may be briefly unhappy (coordinator restarting)
                 if self.out is not None:
                     self.out(f"presence announce failed: {exc.__class__.__name__}: {exc}")
 
 
-def read_presence(node, run_id: str, *, now: float | None = None) -> dict[str, swarm.PresenceRecord]:
-    """Verified, unexpired presence records of `run_id` by peer id (empty when none or unreachable)."""
+def read_presence(node, run_id: str, *, shards=None, now: float | None = None,
+                  stats: dict | None = None) -> dict[str, swarm.PresenceRecord]:
+    """Verified, unexpired presence records of `run_id` by peer id, from `shards` (default: all of them;
+    one DHT lookup each, concurrently); at most MAX_RECORDS_PER_SHARD verified per shard. Unreachable or
+    empty shards add nothing. `stats` (optional) counts records read, refused and over the bound."""
+    shards = range(swarm.PRESENCE_SHARDS) if shards is None else shards
+    keys = {swarm.presence_key(run_id, s): s for s in shards}
     try:
-        raw = node.get(swarm.presence_key(run_id))
+        found = node.get_many(list(keys))
     except Exception:
-        return {}
-    if not isinstance(raw, dict):
         return {}
     now = time.time() if now is None else now
     out = {}
-    for peer_id, value in raw.items():
-        if not isinstance(peer_id, str) or not isinstance(value, bytes):
+    for key, raw in found.items():
+        if not isinstance(raw, dict):
             continue
-        try:
-            record = swarm.check_presence(value, subkey=peer_id, run_id=run_id, now=now)
-        except ProtocolError:
-            continue
-        if now - record.last_seen <= swarm.PRESENCE_TTL_S + swarm.CLOCK_SLACK_S:
-            out[peer_id] = record
+        verified = 0
+        for peer_id, value in raw.items():
+            if not isinstance(peer_id, str) or not isinstance(value, bytes):
+                continue
+            if verified >= swarm.MAX_RECORDS_PER_SHARD:
+                _count(stats, "over_bound")
+                continue
+            verified += 1
+            try:
+                record = swarm.check_presence(value, subkey=peer_id, run_id=run_id, now=now, shard=keys[key])
+            except ProtocolError:
+                _count(stats, "refused")
+                continue
+            _count(stats, "records")
+            _count(stats, "bytes", len(value))
+            if now - record.last_seen <= swarm.PRESENCE_TTL_S + swarm.CLOCK_SLACK_S:
+                out[peer_id] = record
     return out
 
 
-class PresenceTracker:
-    """Coordinator side: reads presence every `every_s` on a thread; `snapshot(current_version)` gives
-    one dict per live volunteer with its version lag (what the dashboard and summary.json show).
+def _count(stats: dict | None, key: str, n: int = 1) -> None:
+    if stats is not None:
+        stats[key] = stats.get(key, 0) + n
 
-    With `save_peers` / `load_peers` (the coordinator persists them in its run directory), the
-    volunteers' announced addresses outlive a restart and `call_back()` dials them: the restarted
-    coordinator's DHT knows nobody, and volunteers' libp2p dial backoff (grown while it was down) would
-    otherwise delay their reconnect by up to minutes. This layer writes no files itself."""
+
+class PresenceTracker:
+    """Coordinator side: reads every presence shard every ~`every_s` on a thread; `snapshot(current_version)`
+    gives one dict per live volunteer with its version lag (what the dashboard and summary.json show).
+
+    With `save_peers` / `load_peers` (the coordinator persists them in its run directory) and `keep(peer)`
+    (whom it vouches for: swarm/providers.py), the addresses those volunteers' connections were *observed*
+    coming from outlive a restart and `call_back()` dials them: the restarted coordinator's DHT knows
+    nobody, and volunteers' libp2p dial backoff (grown while it was down) would otherwise delay their
+    reconnect by up to minutes. Addresses a record merely claims are never dialled. This layer writes no
+    files itself."""
 
     def __init__(self, node, run_id: str, *, every_s: float = TRACK_EVERY_S,
                  save_peers: Callable[[dict[str, list[str]]], None] | None = None,
-                 load_peers: Callable[[], dict[str, list[str]]] | None = None):
+                 load_peers: Callable[[], dict[str, list[str]]] | None = None,
+                 keep: Callable[[str], bool] | None = None):
         self.node, self.run_id, self.every_s = node, run_id, every_s
         self.save_peers, self.load_peers = save_peers, load_peers
+        self.keep = keep or (lambda peer: False)
         self._saved: dict[str, list[str]] = {}
-        self.called_back: set[str] = set()  # answered call_back(): treated as serving until presence says otherwise
+        self.called_back: set[str] = set()  # answered call_back()
+        self.read_stats: dict[str, int] = {}
+        self.reads = 0
         self._records: dict[str, swarm.PresenceRecord] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.on_refresh: Callable[[], None] | None = None  # e.g. the ProviderDesk's probe round
         self._thread = threading.Thread(target=self._loop, name="presence-tracker", daemon=True)
 
     def start(self) -> "PresenceTracker":
@@ -249,40 +292,52 @@ class PresenceTracker:
 
     def _loop(self) -> None:
         while True:
-            self.refresh()
-            if self._stop.wait(self.every_s):
+            try:
+                self.refresh()
+                if self.on_refresh is not None:
+                    self.on_refresh()
+            except Exception:  # the DHT may be briefly unhappy; next round
+                pass
+            if self._stop.wait(self.every_s * random.uniform(1 - JITTER, 1 + JITTER)):
                 return
 
     def refresh(self) -> None:
-        records = read_presence(self.node, self.run_id)
+        records = read_presence(self.node, self.run_id, stats=self.read_stats)
+        self.reads += 1
         with self._lock:
             self._records = records
-        if self.save_peers is not None and records:
-            known = {**self._saved, **{p: list(r.maddrs) for p, r in records.items() if r.maddrs}}
+        if self.save_peers is not None:
+            try:
+                observed = self.node.connected_peers()
+            except Exception:
+                observed = {}
+            known = {**self._saved, **{p: sorted(set(a))[:swarm.MAX_MADDRS] for p, a in observed.items()
+                                       if self.keep(p)}}
             if known != self._saved:
                 self.save_peers(known)
                 self._saved = known
 
+    def records(self) -> dict[str, swarm.PresenceRecord]:
+        with self._lock:
+            return dict(self._records)
+
     def call_back(self) -> list[str]:
-        """Dial every volunteer `load_peers` remembers (in this thread); returns those that answered."""
+        """Dial the volunteers `load_peers` remembers at the addresses they were seen connecting from (in
+        this thread); returns those that answered."""
         from .bootstrap import rejoin
 
         saved = self.load_peers() if self.load_peers is not None else {}
         if not isinstance(saved, dict):
             return []
-        self._saved = saved
+        self._saved = {p: a for p, a in saved.items() if isinstance(p, str) and isinstance(a, list)}
         answered = []
         for peer, maddrs in list(self._saved.items())[:MAX_CALL_BACKS]:
-            if rejoin(self.node, [f"{m.split('/p2p/')[0]}/p2p/{peer}" for m in maddrs]):
+            targets = [f"{m.split('/p2p/')[0]}/p2p/{peer}" for m in maddrs[:swarm.MAX_MADDRS] if isinstance(m, str)]
+            if targets and rejoin(self.node, targets):
                 answered.append(peer)
         with self._lock:
             self.called_back = set(answered)
         return answered
-
-    def serving_peers(self) -> list[str]:
-        with self._lock:
-            return sorted({p for p, r in self._records.items() if r.serving}
-                          | (self.called_back - set(self._records)))
 
     def snapshot(self, current_version: int) -> list[dict]:
         with self._lock:
@@ -291,7 +346,8 @@ class PresenceTracker:
         return [{"peer_id": r.peer_id, "name": r.name, "adapter_version": r.adapter_version,
                  "lag": (current_version - r.adapter_version) if r.adapter_version >= 0 else None,
                  "versions_served": list(r.versions), "serving": r.serving, "upload_bps": r.upload_bps,
-                 "throughput": r.throughput, "last_seen": r.last_seen, "age_s": round(now - r.last_seen, 1)}
+                 "throughput": r.throughput, "last_seen": r.last_seen, "age_s": round(now - r.last_seen, 1),
+                 "vouched": self.keep(r.peer_id)}
                 for r in sorted(records, key=lambda r: r.name)]
 
 

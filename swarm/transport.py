@@ -35,6 +35,7 @@ from .inbound import BoundedExecutor, InboundGate, InboundLimits, monotonic_ms
 logger = logging.getLogger(__name__)
 HEADER = 8
 DHT_STORE_TIMEOUT_S = 60.0
+DHT_GET_TIMEOUT_S = 30.0
 STATUS_OK, STATUS_ERR = 0, 1
 Handler = Callable[[bytes, str], Awaitable[bytes]]
 
@@ -78,16 +79,20 @@ def parse_join_address(text: str) -> JoinAddress:
     return JoinAddress(maddr=text, peer_id=peer_id, host=host, port=int(port) if port else None)
 
 
-def check_reachable(addr: JoinAddress, timeout: float = 3.0) -> None:
-    """Fail fast with a readable error when nothing listens at a TCP address."""
-    if addr.host is None or addr.port is None:
-        return  # relay / quic addresses: let libp2p try
-    try:
-        with socket.create_connection((addr.host, addr.port), timeout=timeout):
-            pass
-    except OSError as exc:
-        raise TransportError(f"cannot reach {addr.host}:{addr.port} ({exc.strerror or exc}); "
-                             "is the coordinator running and the port open?") from None
+def check_reachable(addr: JoinAddress | Sequence[JoinAddress], timeout: float = 3.0) -> None:
+    """Fail fast with a readable error when nothing listens at any of the TCP addresses (one suffices)."""
+    addrs = [addr] if isinstance(addr, JoinAddress) else list(addr)
+    errors = []
+    for a in addrs:
+        if a.host is None or a.port is None:
+            return  # relay / quic addresses: let libp2p try
+        try:
+            with socket.create_connection((a.host, a.port), timeout=timeout):
+                return
+        except OSError as exc:
+            errors.append(f"{a.host}:{a.port} ({exc.strerror or exc})")
+    raise TransportError(f"cannot reach {', '.join(errors)}; is the coordinator (or bootstrap peer) running and "
+                         "the port open?")
 
 
 class LoopThread:
@@ -198,16 +203,51 @@ def stream_handler(gate: InboundGate, name: str, handler: Handler, *, max_reques
     return on_stream
 
 
+async def _get_many(dht, node, keys: tuple[str, ...], latest: bool):
+    """Runs inside the DHT process (DHT.run_coroutine): one batched traversal for all `keys`."""
+    found = await node.get_many(keys, sufficient_expiration_time=float("inf") if latest else None)
+    return {k: v for k, v in found.items() if v is not None and v.expiration_time is not None}
+
+
+RELAY_DIAL_TIMEOUT_S = 5.0
+_PATCHED = False
+
+
+def _static_relays_patch() -> None:
+    """Make p2pd reserve at the named relays at once: hivemind 1.1.12 passes `-trustedRelays` but never
+    `-relayDiscovery=false`, and with discovery on, go-libp2p's autorelay waits for 4 relay candidates or a
+    3-minute boot delay before it reserves anything (measured: the first reservation came 3:00 after
+    start with one relay known; see docs/transport.md "Relays"). With static relays only it reserves at
+    start. Applied once, in this process, before any p2pd is launched (the DHT process forks from it)."""
+    global _PATCHED
+    if _PATCHED:
+        return
+    from hivemind.p2p import p2p_daemon
+
+    original = p2p_daemon.P2P._make_process_args
+
+    def make_process_args(*args, **kwargs):
+        if kwargs.get("autoRelay") and kwargs.get("trustedRelays"):
+            kwargs["relayDiscovery"] = False
+        return original(*args, **kwargs)
+
+    p2p_daemon.P2P._make_process_args = staticmethod(make_process_args)
+    _PATCHED = True
+
+
 class SwarmNode:
     def __init__(self, *, initial_peers: Sequence[str] = (), host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
                  announce_maddrs: Sequence[str] | None = None, identity_path: str | None = None,
                  client_mode: bool = False, use_relay: bool = True, use_auto_relay: bool = False,
                  trusted_relays: Sequence[str] = (), start_timeout: float = 30.0,
-                 inbound: InboundLimits | None = None):
+                 inbound: InboundLimits | None = None, force_reachability: str | None = None):
         """`use_relay`: may reach/be reached through libp2p circuit relays; `use_auto_relay`: behind NAT,
-        look for a relay to become reachable; `trusted_relays`: relay multiaddrs to use (docs/transport.md);
-        `inbound`: what unasked-for requests may cost this node (swarm/inbound.py)."""
+        become reachable through a relay; `trusted_relays`: relay multiaddrs to use (default: the initial
+        peers); `force_reachability`: "private" / "public" instead of waiting for AutoNAT's verdict;
+        `inbound`: what unasked-for requests may cost this node (swarm/inbound.py). See "Relays" above."""
         import hivemind
+
+        _static_relays_patch()
 
         self.inbound = InboundGate(inbound)
         self.executor = BoundedExecutor(self.inbound.limits.workers, self.inbound.limits.queue, self.inbound.stats)
@@ -216,6 +256,8 @@ class SwarmNode:
                       startup_timeout=start_timeout)
         if use_auto_relay:
             kwargs["use_auto_relay"] = True
+        if force_reachability:  # "private": behind NAT, look for a relay at once instead of waiting for AutoNAT
+            kwargs["force_reachability"] = force_reachability
         if trusted_relays:
             kwargs["trusted_relays"] = list(trusted_relays)
         if announce_maddrs:
@@ -223,6 +265,11 @@ class SwarmNode:
         if identity_path:
             kwargs["identity_path"] = identity_path
             kwargs["check_if_identity_free"] = False
+        if use_auto_relay and not trusted_relays and initial_peers:
+            kwargs["trusted_relays"] = list(initial_peers)  # static relays: reserved at once (see "Relays")
+        # Relays to reach peers through when a direct dial fails (a NATed seeder has a reservation there).
+        self.relays = tuple(trusted_relays or initial_peers) if use_relay else ()
+        self.relayed_dials = 0
         self.dht = hivemind.DHT(initial_peers=list(initial_peers) or None, start=True, **kwargs)
         self.loops = LoopThread()
         self.p2p = self.loops.run(self.dht.replicate_p2p(), timeout=start_timeout)
@@ -248,8 +295,15 @@ class SwarmNode:
 
     async def acall(self, peer_id: str, name: str, request: bytes, *, max_response_bytes: int) -> bytes:
         from hivemind.p2p import PeerID
+        from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure  # p2pd: "could not connect"
 
-        _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name)
+        peer = PeerID.from_base58(peer_id)
+        try:
+            _, reader, writer = await self.p2p.call_binary_stream_handler(peer, name)
+        except ControlFailure:
+            if not await self._dial_via_relays(peer):
+                raise
+            _, reader, writer = await self.p2p.call_binary_stream_handler(peer, name)
         try:
             writer.write(_frame(request))
             await writer.drain()
@@ -264,6 +318,23 @@ class SwarmNode:
             except ValueError:
                 raise ProtocolError(RejectCode.INTERNAL, body.decode(errors="replace")) from None
         return body
+
+    async def _dial_via_relays(self, peer) -> bool:
+        """Connect to `peer` through a circuit of one of our relays (a NATed peer reserved a slot there);
+        True when one worked. p2pd does not learn peers' circuit addresses by itself (see "Relays")."""
+        from multiaddr import Multiaddr
+
+        for relay in self.relays:
+            if relay.rstrip("/").endswith(peer.to_base58()):
+                continue
+            try:
+                await asyncio.wait_for(self.p2p._client.connect(peer, [Multiaddr(f"{relay}/p2p-circuit")]),
+                                       RELAY_DIAL_TIMEOUT_S)
+            except Exception:
+                continue
+            self.relayed_dials += 1
+            return True
+        return False
 
     def call(self, peer_id: str, name: str, request: bytes, *, max_response_bytes: int,
              timeout: float = 30.0) -> bytes:
@@ -306,6 +377,35 @@ class SwarmNode:
         if isinstance(value, dict):
             return {k: v.value for k, v in value.items()}
         return value
+
+    def get_many(self, keys: Sequence[str], latest: bool = True, timeout: float = DHT_GET_TIMEOUT_S) -> dict:
+        """`get` of several keys in one DHT traversal (hivemind batches the lookups: one RPC per peer asked,
+        whatever the number of keys). Keys not found map to None; a failed or late traversal raises
+        TransportError."""
+        from functools import partial
+
+        future = self.dht.run_coroutine(partial(_get_many, keys=tuple(keys), latest=latest), return_future=True)
+        try:
+            found = future.result(timeout=timeout)
+        except Exception as exc:
+            raise TransportError(f"DHT get of {len(keys)} keys: {exc.__class__.__name__}: {exc}") from None
+        out = {}
+        for key in keys:
+            item = found.get(key)
+            value = item.value if item is not None else None
+            out[key] = {k: v.value for k, v in value.items()} if isinstance(value, dict) else value
+        return out
+
+    def connected_peers(self, timeout: float = 10.0) -> dict[str, list[str]]:
+        """Peers with an open connection and the address each connection actually comes from (what p2pd
+        observed on the authenticated connection, not what any record claims)."""
+        async def listing():
+            return await self.p2p.list_peers()
+
+        out: dict[str, list[str]] = {}
+        for info in self.loops.run(listing(), timeout=timeout):
+            out.setdefault(info.peer_id.to_base58(), []).extend(str(a) for a in info.addrs)
+        return out
 
     def shutdown(self) -> None:
         try:

@@ -3,7 +3,8 @@
   prompt.py       `Prompt`: one task record as leased
   toy.py          the built-in `repeat` toy task and its reward (docs/toy-task.md)
   rewards.py      the reward registry (built-ins + the `asyncrl.rewards` entry points); simple and TRL-style
-                  batch rewards, weighted reward specs; `score_group` (both sides), `score`
+                  batch rewards, weighted reward specs; `score_group` (both sides), `score`, and
+                  `PrintableTable` / `impossible`: re-scoring `exact` without decoding a hopeless completion
   math_reward.py  the `math` reward: math-verify in a time-limited worker process
   sources.py      `--task` specs: toy, JSONL, Hugging Face datasets; chat templates; `encode_prompt`
 
@@ -12,9 +13,10 @@ with exactly the code the volunteer scored with.
 """
 
 from .prompt import Prompt
-from .rewards import (REWARDS, GroupScore, RewardError, UnknownReward, batch_reward, exact_reward, get_reward,
-                      math_reward, score, score_group, simple_reward)
+from .rewards import (REWARDS, GroupScore, PrintableTable, RewardError, UnknownReward, batch_reward, exact_reward,
+                      get_reward, impossible, math_reward, score, score_group, simple_reward)
 from .toy import REPEAT_LEN, REPEAT_LETTERS, TASKS, get_task, repeat_reward, repeat_task
 
-__all__ = ["Prompt", "REWARDS", "GroupScore", "RewardError", "batch_reward", "score_group", "simple_reward", "UnknownReward", "exact_reward", "get_reward", "math_reward", "score", "REPEAT_LEN",
+__all__ = ["Prompt", "REWARDS", "GroupScore", "PrintableTable", "RewardError", "batch_reward", "impossible", "score_group",
+           "simple_reward", "UnknownReward", "exact_reward", "get_reward", "math_reward", "score", "REPEAT_LEN",
            "REPEAT_LETTERS", "TASKS", "get_task", "repeat_reward", "repeat_task"]

@@ -26,11 +26,15 @@ def hermetic_cache(tmp_path_factory):
     yield root
 
 
-@pytest.fixture
-def free_port() -> int:
+def free_tcp_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture
+def free_port() -> int:
+    return free_tcp_port()
 
 
 class Procs:
@@ -40,13 +44,14 @@ class Procs:
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, name: str, args: list[str], **kwargs) -> subprocess.Popen:
+    def start(self, name: str, args: list[str], *, prefix: tuple[str, ...] = (), **kwargs) -> subprocess.Popen:
+        """`prefix`: run the interpreter under another command, e.g. ("ip", "netns", "exec", NS)."""
         # PYTHONPATH: the checkout, so `-m bench.swarmlab` / `-m tests...` resolve from any cwd
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
                **kwargs.pop("env", {})}
         log = open(self.log_dir / f"{name}.log", "w")
-        proc = subprocess.Popen([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, env=env,
+        proc = subprocess.Popen([*prefix, sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True, **kwargs)
         proc.log_path = self.log_dir / f"{name}.log"
         self.procs.append(proc)

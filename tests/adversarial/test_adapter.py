@@ -100,11 +100,11 @@ def test_corrupted_adapter_chunk(mallory, swarm, attack):
         manifest = messages.decode_manifest(envelope.open_envelope(
             raw, max_bytes=limits.MAX_MANIFEST_BYTES, expected_kind="adapter_manifest",
             expected_audience=envelope.BROADCAST, expected_signer=swarm.coordinator_key, window_s=None).payload)
-        record = swarm_proto.PresenceRecord(run_id=RUN_ID, peer_id=seeder.peer_id, name="mallory-seeder",
-                                            adapter_version=version, versions=(version,), serving=True, upload_bps=0,
-                                            throughput=0.0, last_seen=time.time())
+        # as if the coordinator had vouched for her (she answers probes like any honest server does)
+        record = swarm_proto.ProvidersRecord(run_id=RUN_ID, version=version, issued_at=time.time(), seeders=(),
+                                             holders=(swarm_proto.ProviderHolder(seeder.peer_id, (version,)),))
         victim = SwarmFetcher(mallory.node, run_id=RUN_ID, coordinator_peer_id=swarm.coordinator_peer,
-                              store=AdapterStore(), presence=lambda: {seeder.peer_id: record}, serving_self=False)
+                              store=AdapterStore(), providers=lambda: record)
         payload = victim.payload(manifest, raw)
         assert victim.stats.hash_mismatches >= 1 and seeder.peer_id in victim.banned
         for _ in range(victim.stats.hash_mismatches):

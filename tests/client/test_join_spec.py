@@ -43,3 +43,41 @@ def test_cli_refuses_a_bad_coordinator_with_one_line():
                         "--coordinator", "bogus"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_several_bootstrap_addresses_any_one_suffices(free_port):
+    import socket
+
+    from asyncrl.swarm.transport import TransportError, check_reachable, parse_join_address
+
+    dead = f"/ip4/127.0.0.1/tcp/{free_port}/p2p/{PEER.peer_id}"
+    with socket.socket() as listener:  # something that answers, second in the list
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        live = f"/ip4/127.0.0.1/tcp/{listener.getsockname()[1]}/p2p/{PEER.peer_id}"
+        spec = join_spec([dead, live], COORD.peer_id)
+        assert spec.bootstrap == (dead, live) and spec.coordinator_peer_id == COORD.peer_id
+        check_reachable([parse_join_address(a) for a in spec.bootstrap])  # one answers: enough
+    with pytest.raises(TransportError):
+        check_reachable([parse_join_address(dead)])
+
+
+def test_several_addresses_of_different_peers_need_the_coordinator_named():
+    a = f"/ip4/127.0.0.1/tcp/4001/p2p/{PEER.peer_id}"
+    b = f"/ip4/127.0.0.1/tcp/4002/p2p/{COORD.peer_id}"
+    with pytest.raises(BadAddress):
+        join_spec([a, b])
+    both = join_spec([f"/ip4/127.0.0.1/tcp/4001/p2p/{COORD.peer_id}", f"/ip6/::1/tcp/4001/p2p/{COORD.peer_id}"])
+    assert both.coordinator_peer_id == COORD.peer_id and len(both.bootstrap) == 2
+
+
+def test_coordinator_initial_peers_must_name_a_peer():
+    from asyncrl.coordinator.config import ConfigError, CoordinatorConfig
+
+    CoordinatorConfig(initial_peers=(f"/ip4/127.0.0.1/tcp/4001/p2p/{PEER.peer_id}",)).validate()
+    for bad in ("/ip4/127.0.0.1/tcp/4001", "garbage"):
+        with pytest.raises(ConfigError):
+            CoordinatorConfig(initial_peers=(bad,)).validate()
+    r = subprocess.run([sys.executable, "-m", "asyncrl.coordinator.cli", "run", "--initial-peers", "/ip4/1.2.3.4/tcp/1",
+                        "--run-dir", "/nonexistent/never-created"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr

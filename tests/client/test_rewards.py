@@ -56,3 +56,49 @@ def test_scores_are_clamped_into_unit_interval(monkeypatch):
     assert tasks.score("wild", "x", "y") == 1.0
     monkeypatch.setitem(tasks.REWARDS, "nan", lambda c, a: float("nan"))
     assert tasks.score("nan", "x", "y") == 0.0
+
+
+def test_the_printable_table_is_a_lower_bound_and_exact_is_skipped_only_when_hopeless():
+    """The coordinator may re-score `exact` without decoding only where decoding could not give 1.0."""
+    import numpy as np
+
+    from asyncrl.models import tinymodel
+
+    tok = tinymodel.build_tokenizer()
+    table = tasks.PrintableTable(tok, vocab_size=len(tok) + 10)
+    assert table.table is not None and table.problem is None
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        ids = rng.integers(0, len(tok), size=int(rng.integers(0, 40)))
+        text = tok.decode(ids.tolist(), skip_special_tokens=True)
+        assert table.lower_bound(ids) <= tasks.rewards.printable_count(text)
+        [floor] = table.lower_bounds([ids])
+        assert floor == table.lower_bound(ids)
+        for answer in (text, text.strip(), "42", ""):
+            if tasks.impossible("exact", floor, answer):
+                assert tasks.score("exact", text, answer) == 0.0  # never skips a completion that scores
+    answer_ids = tok(" 42 ", add_special_tokens=False)["input_ids"]
+    assert not tasks.impossible("exact", table.lower_bound(answer_ids), "42")  # the right answer is decoded
+    assert tasks.impossible("exact", table.lower_bound(tok("4242", add_special_tokens=False)["input_ids"]), "42")
+    assert not tasks.impossible("math", 10**6, "42")  # only rewards that allow it
+
+
+def test_a_tokenizer_that_breaks_the_bound_gets_no_table():
+    from asyncrl.models import tinymodel
+
+    class Merging:
+        """A decoder that drops characters at joins (no real one does): the self-check must catch it."""
+
+        def __init__(self):
+            self.inner = tinymodel.build_tokenizer()
+            self.all_special_ids = self.inner.all_special_ids
+
+        def __len__(self):
+            return len(self.inner)
+
+        def decode(self, ids, skip_special_tokens=True):
+            text = self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+            return text if isinstance(ids, int) or len(ids) < 2 else text[len(text) // 2:]
+
+    table = tasks.PrintableTable(Merging())
+    assert table.table is None and table.problem

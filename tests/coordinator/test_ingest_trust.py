@@ -109,3 +109,38 @@ def test_replay_state_survives_a_restart(tokenizer):
     assert restarted.handle(refused).code == "NONCE_REUSED"
     with pytest.raises(Exception):
         restarted.load_state(b"not msgpack")
+
+
+def test_exact_rewards_are_rescored_without_decoding_only_where_they_cannot_be_right(tokenizer):
+    """An `exact` task: the right answer (reward 1) is decoded and accepted; a made-up 1.0 on a completion too
+    long to be the answer is refused (REWARD_MISMATCH) by the printable-character bound alone."""
+    import numpy as np
+
+    from asyncrl.tasks import Prompt
+
+    def prompts():
+        i = 0
+        while True:
+            i += 1
+            yield Prompt(prompt_id=f"q{i}", text="say ab", answer="ab", reward="exact")
+
+    board = TaskBoard(prompts(), lease_timeout_s=60, max_leases_per_client=8)
+    ingest = Ingest(identity_public_key=COORD.public_key, run_id="r", board=board, tokenizer=tokenizer, vocab_size=64,
+                    current_version=lambda: 0, max_batch_bytes=1 << 20, window_s=300, sampling=SAMPLING)
+    assert ingest.bounds is not None
+
+    def batch(completions: list[tuple[str, float]]) -> bytes:
+        lease = board.lease(ALICE.public_key, 1)[0]
+        comps = tuple(messages.Completion(np.asarray(tokenizer(t, add_special_tokens=False)["input_ids"], "<i4").tobytes(),
+                                          np.full(len(tokenizer(t, add_special_tokens=False)["input_ids"]), -1.0,
+                                                  "<f4").tobytes(), r, "length") for t, r in completions)
+        group = messages.RolloutGroup(lease.lease_id, lease.prompt.prompt_id,
+                                      np.asarray(tokenizer(lease.prompt.text)["input_ids"], "<i4").tobytes(), comps)
+        b = messages.RolloutBatch(run_id="r", adapter_version=0, client_name="alice", sampling=SAMPLING, groups=(group,),
+                                  generated_at=0.0)
+        return envelope.seal(ALICE, "rollout_batch", messages.encode(b), audience=COORD.public_key)
+
+    ack = ingest.handle(batch([(" ab", 1.0), ("abab", 0.0), ("b", 0.0)]))
+    assert ack.accepted and ack.code is None
+    ack = ingest.handle(batch([("abababab", 1.0), ("ab", 1.0)]))  # the first cannot be "ab": 8 printable chars
+    assert not ack.accepted and ack.code == "REWARD_MISMATCH"

@@ -94,3 +94,22 @@ def test_a_refused_batchs_leases_end_at_once_and_only_for_their_holder():
     c = b.counts()
     assert (c["expired"], c["released"], c["outstanding"]) == (1, 1, 2)
     assert b.balanced(queued_groups=0)
+
+
+def test_expiry_is_exact_with_thousands_of_leases_and_settled_ones_leave_no_trace():
+    clock = FakeClock()
+    b = TaskBoard(open_source("repeat", seed=3), lease_timeout_s=10, max_leases_per_client=10**6, clock=clock)
+    early = b.lease(ALICE, 2000)
+    clock.t += 5
+    late = b.lease(BOB, 2000)
+    for lease in early[:500]:
+        b.complete(lease.lease_id, ALICE)  # settled: its heap entry must not expire it again
+    b.abandon([l.lease_id for l in early[500:700]], ALICE)
+    clock.t += 6  # the rest of `early` expired, `late` not yet
+    assert b.expire() == 1300
+    assert b.held_by_client() == {BOB: 2000}
+    clock.t += 5
+    assert b.expire() == 2000 and b.held_by_client() == {}
+    c = b.counts()
+    assert (c["leased"], c["completed"], c["expired"], c["outstanding"]) == (4000, 500, 3500, 0)
+    assert len(b._expiry) <= 64  # rebuilt once settled entries pile up: memory stays bounded

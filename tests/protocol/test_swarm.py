@@ -128,3 +128,59 @@ def test_presence_expiration_is_bounded_by_its_signed_timestamp():
         swarm.check_presence(value, subkey=ALICE.peer_id, run_id="r",
                              expiration_time=time.time() + 100 * swarm.PRESENCE_TTL_S)
     assert exc.value.code == RejectCode.EXPIRED
+
+
+# ---- shards and the providers record -----------------------------------------------------------------
+
+
+def test_presence_shards_spread_peers_and_keys_stay_apart():
+    peers = [Identity.generate().peer_id for _ in range(2000)]
+    counts = [0] * swarm.PRESENCE_SHARDS
+    for p in peers:
+        counts[swarm.presence_shard(p)] += 1
+    assert max(counts) < 3 * 2000 / swarm.PRESENCE_SHARDS  # no shard grows with N much faster than N / shards
+    assert len({swarm.presence_key("r", s) for s in range(swarm.PRESENCE_SHARDS)}) == swarm.PRESENCE_SHARDS
+    with pytest.raises(ValueError):
+        swarm.presence_key("r", swarm.PRESENCE_SHARDS)
+
+
+def test_presence_in_another_shard_is_refused():
+    value = envelope.seal(ALICE, swarm.PRESENCE_KIND, messages.encode(presence()), now=NOW)
+    mine = swarm.presence_shard(ALICE.peer_id)
+    assert check_presence(value, shard=mine).peer_id == ALICE.peer_id
+    with pytest.raises(ProtocolError) as e:
+        check_presence(value, shard=(mine + 1) % swarm.PRESENCE_SHARDS)
+    assert e.value.code == RejectCode.NOT_ALLOWED
+
+
+def providers(**kw) -> swarm.ProvidersRecord:
+    fields = dict(run_id="r", version=3, issued_at=NOW, seeders=(ALICE.peer_id,),
+                  holders=(swarm.ProviderHolder(ALICE.peer_id, (1, 2, 3)),))
+    fields.update(kw)
+    return swarm.ProvidersRecord(**fields)
+
+
+def test_providers_signed_by_the_coordinator_are_accepted_and_nobody_elses():
+    got = swarm.check_providers(swarm.seal_providers(COORD, providers()), coordinator_key=COORD.public_key,
+                                run_id="r", now=NOW)
+    assert got.seeders == (ALICE.peer_id,) and got.holders[0].versions == (1, 2, 3)
+    for sealed, code in ((swarm.seal_providers(MALLORY, providers()), RejectCode.NOT_ALLOWED),
+                         (swarm.seal_providers(COORD, providers(run_id="other")), RejectCode.WRONG_RUN),
+                         (swarm.seal_providers(COORD, providers(seeders=("not-a-peer-id",))), RejectCode.MALFORMED),
+                         (swarm.seal_providers(COORD, providers(holders=(swarm.ProviderHolder(ALICE.peer_id, (-1,)),))),
+                          RejectCode.MALFORMED)):
+        with pytest.raises(ProtocolError) as e:
+            swarm.check_providers(sealed, coordinator_key=COORD.public_key, run_id="r", now=NOW)
+        assert e.value.code == code
+
+
+def test_the_providers_record_is_capped():
+    many = tuple(Identity.generate().peer_id for _ in range(swarm.MAX_SEEDERS + 1))
+    sealed = swarm.seal_providers(COORD, providers(seeders=many))
+    with pytest.raises(ProtocolError) as e:
+        swarm.check_providers(sealed, coordinator_key=COORD.public_key, run_id="r", now=NOW)
+    assert e.value.code == RejectCode.MALFORMED
+    full = providers(seeders=many[:swarm.MAX_SEEDERS],
+                     holders=tuple(swarm.ProviderHolder(p, tuple(range(swarm.MAX_HOLDER_VERSIONS)))
+                                   for p in many[:swarm.MAX_HOLDERS]))
+    assert len(swarm.seal_providers(COORD, full)) <= swarm.MAX_PROVIDERS_BYTES  # the largest legal record fits

@@ -1,4 +1,4 @@
-"""SwarmRecordValidator: the check every DHT node runs on pointer and presence records (no network:
+"""SwarmRecordValidator: the check every DHT node runs on pointer, providers and presence records (no network:
 records are built the way hivemind hands them to a validator — hashed key, msgpack-serialized value)."""
 
 from __future__ import annotations
@@ -37,9 +37,15 @@ def presence(identity: Identity, peer_id: str | None = None) -> bytes:
     return envelope.seal(identity, swarm.PRESENCE_KIND, messages.encode(p))
 
 
+def providers(identity: Identity, seeders=()) -> bytes:
+    p = swarm.ProvidersRecord(run_id="r", version=1, issued_at=time.time(), seeders=tuple(seeders), holders=())
+    return swarm.seal_providers(identity, p)
+
+
 V = SwarmRecordValidator("r", COORD.peer_id)
 POINTER_KEY = swarm.pointer_key("r", COORD.peer_id)
-PRESENCE_KEY = swarm.presence_key("r")
+PROVIDERS_KEY = swarm.providers_key("r", COORD.peer_id)
+PRESENCE_KEY = swarm.presence_key("r", swarm.presence_shard(ALICE.peer_id))
 
 
 def test_only_the_coordinator_writes_its_pointer():
@@ -58,6 +64,18 @@ def test_presence_is_written_only_by_the_peer_it_names():
     assert not V.validate(record(PRESENCE_KEY, presence(MALLORY), subkey=ALICE.peer_id))
     assert not V.validate(record(PRESENCE_KEY, presence(ALICE)))  # a plain value would replace the dictionary
     assert not V.validate(record(PRESENCE_KEY, presence(ALICE), subkey=7))
+
+
+def test_presence_lives_only_in_its_peers_shard():
+    other = swarm.presence_key("r", (swarm.presence_shard(ALICE.peer_id) + 1) % swarm.PRESENCE_SHARDS)
+    assert not V.validate(record(other, presence(ALICE), subkey=ALICE.peer_id))
+
+
+def test_only_the_coordinator_writes_the_providers_record():
+    assert V.validate(record(PROVIDERS_KEY, providers(COORD, [ALICE.peer_id])))
+    assert not V.validate(record(PROVIDERS_KEY, providers(MALLORY, [MALLORY.peer_id])))  # "trust me"
+    assert not V.validate(record(PROVIDERS_KEY, providers(COORD), subkey="x"))
+    assert not V.validate(record(PROVIDERS_KEY, providers(COORD), ttl=100 * swarm.PROVIDERS_TTL_S))
 
 
 def test_unrelated_keys_pass_untouched():

@@ -1,0 +1,272 @@
+"""Fetch sources the coordinator vouches for: the signed providers record (docs/scale.md).
+
+Owned by the swarm transport. Presence records are self-declared: anyone can mint keys and announce
+"I serve every version" for free, so volunteers never pick sources from presence. The coordinator does,
+once, for everyone, and signs the result:
+
+  ProviderDesk   coordinator side. Vouches for a peer after it *answered* a probe on the chunk stream
+                 (a request for a version nobody has: an honest server refuses it at once with
+                 STALE_VERSION — proof that a live node with that peer id speaks our protocol; a record
+                 with no node behind it, or a tarpit, never answers within PROBE_TIMEOUT_S). At most
+                 PROBES_PER_ROUND probes per round, PROBE_PARALLEL at once; a failed peer is retried
+                 with a doubling pause (at most PROBE_BACKOFF_MAX_S), so a flood of fake records costs a
+                 bounded trickle of dials. Volunteers with accepted batches (`proven`) are probed and
+                 chosen first. From the vouched peers it issues a ProvidersRecord:
+                   seeders  (<= MAX_SEEDERS) serving peers fit to seed; chosen when a version is
+                            published and kept until the next, so every fetcher computes the same
+                            chunk -> seeder assignment for that version;
+                   holders  (<= MAX_HOLDERS) vouched peers and the complete versions they announce.
+                 It stores the record before the version's pointer (PointerRecord calls `on_publish`),
+                 re-issues it every few seconds (holders change as peers finish), and names the peers
+                 the pointer is pushed to (`push_targets`).
+  ProvidersCache volunteer side: the newest verified ProvidersRecord, re-read at most every
+                 `max_age_s`, or at once when a pointer names a newer version than the record (`ensure`).
+                 One small DHT value per read, whatever the swarm size.
+
+A vouched peer can still lie about what it holds or serve garbage; fetchers check every byte against
+the signed manifest and avoid such a peer (swarm/fetch.py), with short per-peer timeouts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from asyncrl.protocol import swarm
+from asyncrl.protocol.errors import ProtocolError
+from asyncrl.protocol.identity import Identity
+
+from . import streams
+from .serving import chunk_request
+from .streams import stream_name
+
+PROBE_VERSION = 2**64 - 1
+"""The version a probe asks for: nobody holds it, so an honest server refuses at once."""
+PROBE_TIMEOUT_S = 3.0
+PROBE_PARALLEL = 8
+PROBES_PER_ROUND = 32
+PROBE_BACKOFF_S = 15.0
+PROBE_BACKOFF_MAX_S = 600.0
+REPROBE_S = 300.0
+"""A vouched peer is probed again after this long (it may have gone away behind a live presence record)."""
+ISSUE_EVERY_S = 5.0
+MIN_SEED_BPS = 1 << 20
+"""Peers capped below this upload rate (bytes/s) are not made seeders (they would hold everyone up)."""
+MAX_PUSH_TARGETS = 128
+
+
+@dataclass
+class _Probe:
+    vouched_at: float | None = None  # monotonic; None = not (or no longer) vouched
+    next_probe: float = 0.0
+    failures: int = 0
+
+
+class ProviderDesk:
+    def __init__(self, node, identity: Identity, run_id: str, tracker, *,
+                 proven: Callable[[str], bool] = lambda peer: False, issue_every_s: float = ISSUE_EVERY_S,
+                 clock=time.monotonic):
+        self.node, self.identity, self.run_id = node, identity, run_id
+        self.tracker = tracker  # swarm/records.py PresenceTracker: .records()
+        self.proven = proven
+        self.issue_every_s = issue_every_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._issue_lock = threading.Lock()  # one record built and stored at a time: never an older one last
+        self._probes: dict[str, _Probe] = {}
+        self._version = -1
+        self._seeders: tuple[str, ...] = ()
+        self._stop = threading.Event()
+        self.key = swarm.providers_key(run_id, identity.peer_id)
+        self.stats = {"probes": 0, "probe_failures": 0, "issued": 0, "issue_failures": 0}
+        self.last_record: swarm.ProvidersRecord | None = None
+
+    # ---- who is vouched for ---------------------------------------------------------------------
+    def vouched(self, peer: str) -> bool:
+        with self._lock:
+            p = self._probes.get(peer)
+            return p is not None and p.vouched_at is not None
+
+    def probe_round(self) -> int:
+        """Probe the peers whose presence says they serve and that are due (blocking, bounded); returns
+        how many answered."""
+        now = self._clock()
+        records = self.tracker.records()
+        with self._lock:
+            for peer in [p for p in self._probes if p not in records]:
+                del self._probes[peer]  # presence expired: forgotten (a new record starts afresh)
+            due = [p for p, r in records.items() if r.serving and p != self.identity.peer_id
+                   and self._probes.setdefault(p, _Probe()).next_probe <= now]
+        due.sort(key=lambda p: (not self.proven(p), self._probes[p].failures))
+        due = due[:PROBES_PER_ROUND]
+        if not due:
+            return 0
+        results = self.node.loops.run(self._probe_all(due), timeout=PROBE_TIMEOUT_S * (len(due) / PROBE_PARALLEL + 2))
+        now = self._clock()
+        answered = 0
+        with self._lock:
+            for peer, ok in results.items():
+                p = self._probes.get(peer)
+                if p is None:
+                    continue
+                self.stats["probes"] += 1
+                if ok:
+                    answered += 1
+                    p.vouched_at = p.vouched_at or now
+                    p.failures = 0
+                    p.next_probe = now + REPROBE_S
+                else:
+                    self.stats["probe_failures"] += 1
+                    p.vouched_at = None
+                    p.failures += 1
+                    p.next_probe = now + min(PROBE_BACKOFF_MAX_S, PROBE_BACKOFF_S * 2 ** (p.failures - 1))
+        return answered
+
+    async def _probe_all(self, peers: list[str]) -> dict[str, bool]:
+        slots = asyncio.Semaphore(PROBE_PARALLEL)
+
+        async def one(peer: str) -> tuple[str, bool]:
+            async with slots:
+                try:
+                    await asyncio.wait_for(self.node.acall(peer, stream_name(self.run_id, streams.CHUNK),
+                                                           chunk_request(PROBE_VERSION, 0), max_response_bytes=64),
+                                           PROBE_TIMEOUT_S)
+                except ProtocolError:
+                    return peer, True  # a refusal in our framing: a live asyncrl node with this peer id
+                except Exception:
+                    return peer, False  # unreachable, no such node, no handler, or too slow
+                return peer, False  # claims to hold a version nobody has: not a source to trust
+
+        return dict(await asyncio.gather(*(one(p) for p in peers)))
+
+    # ---- the signed record ----------------------------------------------------------------------
+    def _vouched_records(self) -> list[swarm.PresenceRecord]:
+        records = self.tracker.records()
+        with self._lock:
+            vouched = {p: v.vouched_at for p, v in self._probes.items() if v.vouched_at is not None}
+        out = [r for p, r in records.items() if p in vouched]
+        out.sort(key=lambda r: (not self.proven(r.peer_id), vouched[r.peer_id], r.peer_id))
+        return out
+
+    def _choose_seeders(self) -> tuple[str, ...]:
+        fit = [r.peer_id for r in self._vouched_records()
+               if r.serving and (r.upload_bps == 0 or r.upload_bps >= MIN_SEED_BPS)]
+        return tuple(sorted(fit[:swarm.MAX_SEEDERS]))
+
+    def on_publish(self, version: int) -> None:
+        """A new version is about to become visible: choose its seeders and store the record first."""
+        with self._issue_lock:
+            with self._lock:
+                fresh = version != self._version
+            if fresh:
+                seeders = self._choose_seeders()
+                with self._lock:
+                    self._version, self._seeders = version, seeders
+            self._issue()
+
+    def issue(self) -> bool:
+        """Sign and store the current record (blocking DHT store). Until the first version, the seeders
+        follow the vouched set; after it, they stay fixed until the next version."""
+        with self._issue_lock:
+            return self._issue()
+
+    def _issue(self) -> bool:
+        with self._lock:
+            version, seeders = self._version, self._seeders
+        if version < 0:
+            seeders = self._choose_seeders()
+            with self._lock:
+                self._seeders = seeders
+        holders = tuple(swarm.ProviderHolder(r.peer_id, tuple(sorted(r.versions))[-swarm.MAX_HOLDER_VERSIONS:])
+                        for r in self._vouched_records() if r.versions)[:swarm.MAX_HOLDERS]
+        record = swarm.ProvidersRecord(run_id=self.run_id, version=max(version, 0), issued_at=time.time(),
+                                       seeders=seeders, holders=holders)
+        try:
+            ok = self.node.store(self.key, swarm.seal_providers(self.identity, record), swarm.PROVIDERS_TTL_S)
+        except Exception:
+            ok = False
+        self.stats["issued" if ok else "issue_failures"] += 1
+        self.last_record = record
+        return ok
+
+    def push_targets(self) -> list[str]:
+        """Whom to push a new pointer to: the vouched serving peers (seeders first), at most MAX_PUSH_TARGETS."""
+        with self._lock:
+            seeders = list(self._seeders)
+        rest = [r.peer_id for r in self._vouched_records() if r.serving and r.peer_id not in seeders]
+        return (seeders + rest)[:MAX_PUSH_TARGETS]
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def start(self) -> "ProviderDesk":
+        threading.Thread(target=self._loop, name="provider-desk", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.probe_round()
+                self.issue()
+            except Exception:  # the DHT or the loop may be briefly unhappy; next round
+                pass
+            self._stop.wait(self.issue_every_s)
+
+    def status(self) -> dict:
+        with self._lock:
+            vouched = sum(1 for p in self._probes.values() if p.vouched_at is not None)
+            return {"vouched": vouched, "tracked": len(self._probes), "seeders": len(self._seeders),
+                    "version": self._version, **self.stats}
+
+
+class ProvidersCache:
+    """The newest verified ProvidersRecord of a run (volunteer side); `view()` is what the fetcher plans with."""
+
+    def __init__(self, node, run_id: str, coordinator_peer_id: str, coordinator_key: bytes, *,
+                 max_age_s: float = 10.0, clock=time.monotonic):
+        self.node, self.run_id, self.key_bytes = node, run_id, coordinator_key
+        self.key = swarm.providers_key(run_id, coordinator_peer_id)
+        self.max_age_s = max_age_s
+        self._clock = clock
+        self.record: swarm.ProvidersRecord | None = None
+        self.read_at = -1e18
+        self.reads = 0
+        self.bytes_read = 0
+        self.errors = 0
+
+    def refresh(self) -> swarm.ProvidersRecord | None:
+        self.read_at = self._clock()
+        self.reads += 1
+        try:
+            raw = self.node.get(self.key)
+        except Exception:
+            self.errors += 1
+            return self.record
+        if isinstance(raw, bytes):
+            self.bytes_read += len(raw)
+            try:
+                record = swarm.check_providers(raw, coordinator_key=self.key_bytes, run_id=self.run_id)
+            except ProtocolError:
+                self.errors += 1
+                return self.record
+            if self.record is None or record.issued_at >= self.record.issued_at:
+                self.record = record
+        return self.record
+
+    def maybe_refresh(self) -> None:
+        if self._clock() - self.read_at >= self.max_age_s:
+            self.refresh()
+
+    def ensure(self, version: int, attempts: int = 3, pause_s: float = 0.3) -> None:
+        """Make sure the record is for `version` or newer if the coordinator has issued one (it stores the
+        record before the pointer, so one read normally suffices)."""
+        for i in range(attempts):
+            if self.record is not None and self.record.version >= version:
+                return
+            if i:
+                time.sleep(pause_s)
+            self.refresh()

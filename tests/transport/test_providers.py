@@ -1,0 +1,183 @@
+"""ProviderDesk and the fetch plan without a network: a scripted swarm answers probes, the desk vouches
+only for peers that answered, and fetchers plan only with what the signed record names."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from asyncrl.protocol import swarm
+from asyncrl.protocol.errors import ProtocolError, RejectCode
+from asyncrl.protocol.identity import Identity
+from asyncrl.swarm import providers as providers_mod
+from asyncrl.swarm.fetch import MAX_PLAN_PEERS, PeerClock, ProviderView, SwarmFetcher
+from asyncrl.swarm.providers import ProviderDesk, ProvidersCache
+from asyncrl.swarm.serving import AdapterStore
+
+RUN = "r"
+COORD = Identity.from_seed(bytes(range(32)))
+
+
+class Loops:
+    """The one thing the desk needs of a LoopThread: run a coroutine to completion."""
+
+    def run(self, coro, timeout=None):
+        return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+class ScriptedSwarm:
+    """A node whose peers behave as scripted: `honest` answer a probe with a refusal (a live asyncrl
+    server), `tarpits` never answer, everyone else does not exist. Stores land in `stored`."""
+
+    def __init__(self, honest=(), tarpits=()):
+        self.peer_id = COORD.peer_id
+        self.honest, self.tarpits = set(honest), set(tarpits)
+        self.loops = Loops()
+        self.calls: list[str] = []
+        self.stored: dict[str, bytes] = {}
+
+    async def acall(self, peer, name, request, *, max_response_bytes):
+        self.calls.append(peer)
+        if peer in self.honest:
+            raise ProtocolError(RejectCode.STALE_VERSION, "chunk not held")
+        if peer in self.tarpits:
+            await asyncio.sleep(3600)
+        raise ConnectionError("no such peer")
+
+    def store(self, key, value, ttl, subkey=None):
+        self.stored[key] = value
+        return True
+
+    def get(self, key):
+        return self.stored.get(key)
+
+
+class Tracker:
+    def __init__(self, records):
+        self._records = records
+
+    def records(self):
+        return dict(self._records)
+
+
+def presence(identity: Identity, versions=(0, 1, 2), upload_bps=0) -> swarm.PresenceRecord:
+    return swarm.PresenceRecord(run_id=RUN, peer_id=identity.peer_id, name="x", adapter_version=max(versions),
+                                versions=tuple(versions), serving=True, upload_bps=upload_bps, throughput=0.0,
+                                last_seen=time.time())
+
+
+def test_fake_and_tarpit_records_are_never_vouched_for_and_probing_them_is_bounded(monkeypatch):
+    monkeypatch.setattr(providers_mod, "PROBE_TIMEOUT_S", 0.2)
+    alice, bob = Identity.generate(), Identity.generate()
+    sybils = [Identity.generate() for _ in range(200)]
+    tarpit = Identity.generate()
+    everyone = [alice, bob, tarpit, *sybils]
+    node = ScriptedSwarm(honest=[alice.peer_id, bob.peer_id], tarpits=[tarpit.peer_id])
+    desk = ProviderDesk(node, COORD, RUN, Tracker({i.peer_id: presence(i, versions=range(64)) for i in everyone}),
+                        proven=lambda peer: peer in (alice.peer_id, bob.peer_id))
+    desk.probe_round()
+    assert len(node.calls) == providers_mod.PROBES_PER_ROUND  # one round probes a bounded number of peers
+    assert desk.vouched(alice.peer_id) and desk.vouched(bob.peer_id)  # proven volunteers are probed first
+    rounds = 1
+    while any(desk._probes[i.peer_id].failures == 0 for i in sybils):  # until every fake was tried once
+        desk.probe_round()
+        rounds += 1
+    calls = len(node.calls)
+    desk.probe_round()  # everyone failed once is now backing off: nothing to do
+    assert len(node.calls) == calls and rounds <= 1 + 203 // providers_mod.PROBES_PER_ROUND
+    desk.on_publish(5)
+    record = swarm.check_providers(node.stored[swarm.providers_key(RUN, COORD.peer_id)],
+                                   coordinator_key=COORD.public_key, run_id=RUN)
+    assert set(record.seeders) == {alice.peer_id, bob.peer_id} and record.version == 5
+    assert {h.peer_id for h in record.holders} == {alice.peer_id, bob.peer_id}
+    assert all(len(h.versions) <= swarm.MAX_HOLDER_VERSIONS for h in record.holders)
+    assert set(desk.push_targets()) == {alice.peer_id, bob.peer_id}
+    assert not desk.vouched(tarpit.peer_id)
+
+
+def test_seeders_stay_fixed_for_a_version_and_change_with_the_next():
+    alice, bob, carol = (Identity.generate() for _ in range(3))
+    records = {i.peer_id: presence(i) for i in (alice, bob)}
+    node = ScriptedSwarm(honest=[alice.peer_id, bob.peer_id, carol.peer_id])
+    tracker = Tracker(records)
+    desk = ProviderDesk(node, COORD, RUN, tracker)
+    desk.probe_round()
+    desk.on_publish(1)
+    assert desk.last_record.seeders == tuple(sorted([alice.peer_id, bob.peer_id]))
+    records[carol.peer_id] = presence(carol, versions=(1,))
+    desk.probe_round()
+    desk.issue()  # holders follow the swarm, seeders of v1 do not: every fetcher must plan alike
+    assert carol.peer_id not in desk.last_record.seeders
+    assert carol.peer_id in {h.peer_id for h in desk.last_record.holders}
+    desk.on_publish(2)
+    assert carol.peer_id in desk.last_record.seeders
+    del records[bob.peer_id]  # its presence expired: no longer named
+    desk.probe_round()
+    desk.on_publish(3)
+    assert bob.peer_id not in desk.last_record.seeders
+
+
+def test_slow_uploaders_hold_versions_but_do_not_seed():
+    fast, slow = Identity.generate(), Identity.generate()
+    node = ScriptedSwarm(honest=[fast.peer_id, slow.peer_id])
+    desk = ProviderDesk(node, COORD, RUN, Tracker({fast.peer_id: presence(fast),
+                                                   slow.peer_id: presence(slow, upload_bps=100_000)}))
+    desk.probe_round()
+    desk.on_publish(0)
+    assert desk.last_record.seeders == (fast.peer_id,)
+    assert {h.peer_id for h in desk.last_record.holders} == {fast.peer_id, slow.peer_id}
+
+
+class Node:
+    def __init__(self, peer_id):
+        self.peer_id = peer_id
+
+
+def test_the_plan_names_only_vouched_peers_and_is_capped():
+    me = Identity.generate().peer_id
+    seeders = sorted(Identity.generate().peer_id for _ in range(5))
+    holders = tuple(swarm.ProviderHolder(Identity.generate().peer_id, (7,)) for _ in range(10))
+    record = swarm.ProvidersRecord(run_id=RUN, version=7, issued_at=time.time(), seeders=(*seeders, me),
+                                   holders=holders)
+    fetcher = SwarmFetcher(Node(me), run_id=RUN, coordinator_peer_id=COORD.peer_id, store=AdapterStore(),
+                           providers=lambda: record)
+    view = fetcher.view()
+    named = set(seeders) | {h.peer_id for h in holders}
+    for i in range(12):
+        plan = fetcher.plan(7, i, view)
+        assert plan[-1] == (COORD.peer_id, 0.0) and len(plan) <= MAX_PLAN_PEERS + 1
+        assert {p for p, _ in plan[:-1]} <= named
+    # every fetcher computes the same seeder for a chunk; the one named seeds from the coordinator itself
+    all_seeders = tuple(sorted((*seeders, me)))
+    for i in range(12):
+        assert fetcher.seeder(7, i, view) == all_seeders[(i + 7) % len(all_seeders)]
+        if fetcher.seeder(7, i, view) == me:
+            assert [p for p, w in fetcher.plan(7, i, ProviderView(view.seeders, {}))] == [COORD.peer_id]
+    assert SwarmFetcher(Node(me), run_id=RUN, coordinator_peer_id=COORD.peer_id, store=AdapterStore()).plan(
+        7, 0, ProviderView.of(None, me)) == [(COORD.peer_id, 0.0)]  # nobody vouched for: a star
+
+
+def test_peer_timeouts_are_short_and_adapt():
+    clock = PeerClock(COORD.peer_id)
+    assert clock.timeout("p", 1 << 20) == 5.0  # first contact
+    for _ in range(5):
+        clock.observe("p", 0.05, 1 << 20)  # a fast peer
+    assert clock.timeout("p", 1 << 20) == 2.0  # the floor
+    for _ in range(20):
+        clock.observe("p", 30.0, 1 << 20)  # a tarpit-like one
+    assert clock.timeout("p", 1 << 20) == 10.0  # the ceiling: seconds, never a minute
+    assert clock.timeout(COORD.peer_id, 1 << 20) == 30.0  # the coordinator: behind a slow uplink, still bounded
+
+
+def test_the_cache_keeps_the_newest_verified_record_and_refuses_forgeries():
+    node = ScriptedSwarm()
+    key = swarm.providers_key(RUN, COORD.peer_id)
+    cache = ProvidersCache(node, RUN, COORD.peer_id, COORD.public_key)
+    mallory = Identity.generate()
+    node.stored[key] = swarm.seal_providers(mallory, swarm.ProvidersRecord(
+        run_id=RUN, version=9, issued_at=time.time(), seeders=(mallory.peer_id,), holders=()))
+    assert cache.refresh() is None and cache.errors == 1
+    good = swarm.ProvidersRecord(run_id=RUN, version=2, issued_at=time.time(), seeders=(), holders=())
+    node.stored[key] = swarm.seal_providers(COORD, good)
+    cache.ensure(2)
+    assert cache.record == good and cache.bytes_read > 0
