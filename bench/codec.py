@@ -288,6 +288,8 @@ def main(argv=None) -> int:
         "delta_ratio<=0.25 (goal)": report["delta_ratio"] <= 0.25,
         "keyframe_ratio<=0.92*plain": report["keyframe_vs_plain"] <= 0.92,
         "decode_MBps>=300": report["decode_MBps"] >= 300,
+        "encode_MBps>=200 (goal)": report["encode_MBps"] >= 200,
+        "decode_MBps>=400 (goal)": report["decode_MBps"] >= 400,
     }
     with open(args.json_out, "w") as f:
         json.dump(report, f, indent=2)

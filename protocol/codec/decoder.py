@@ -3,7 +3,10 @@
 Sizes come from the specs (checked against `max_raw_bytes` before any decompression), every zstd
 frame must declare its exact content size (checked before zstd allocates anything), and any
 inconsistency raises ProtocolError (MALFORMED, PAYLOAD_TOO_LARGE, or HASH_MISMATCH for a crc32
-mismatch) — never another exception.
+mismatch) — never another exception. A delta class's element count is read from its frames'
+declared sizes; the counts must add up to the segment (MALFORMED, before anything is allocated for
+them) and match the parent's exponent classes element by element (HASH_MISMATCH otherwise: a delta
+applied to the wrong parent).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from .format import (
     KEYFRAME_CODEC,
     KIND_DELTA,
     KIND_KEYFRAME,
+    LAYOUT_BYTES,
     MAX_WINDOW,
     as_words,
     checked_specs,
@@ -30,13 +34,13 @@ from .format import (
     tensors_crc,
 )
 from .planes import (
-    class_mask,
+    class_ids,
     exponent,
     plane_sizes,
     rotr1,
     scatter_classes,
     unpack,
-    unzigzag,
+    unzigzag_add_inplace,
 )
 
 
@@ -58,6 +62,20 @@ def unzstd(dctx: zstd.ZstdDecompressor, frame: memoryview, expected: int, max_ra
     if len(out) != expected:
         raise malformed(f"zstd frame produced {len(out)} bytes, expected {expected}")
     return out
+
+
+def class_size(buf: memoryview, pos: int, lens, layout: int) -> int:
+    """Element count of a class, from the declared content size of its first whole-byte plane (the
+    first plane for byte planes, the fifth for bit fields); `unzstd` later checks every frame."""
+    skip = 0 if layout == LAYOUT_BYTES else 4
+    start = pos + sum(lens[:skip])
+    try:
+        size = zstd.frame_content_size(buf[start : start + lens[skip]])
+    except zstd.ZstdError as exc:
+        raise malformed(f"bad zstd frame header: {exc}") from None
+    if size < 0:
+        raise malformed("zstd frame does not declare its content size")
+    return size
 
 
 def decode(
@@ -127,24 +145,28 @@ def decode_payload(codec, specs, payload, parent, max_raw_bytes) -> dict[str, by
     for dt, order, segments in plan:
         sizes = [infos[i][2] for i in order]
         n = sum(sizes)
-        if kind == KIND_DELTA:
-            parts = []
+        if kind == KIND_DELTA:  # the parent's words and exponents, tensor by tensor (no group-sized temporaries)
+            parts, e, off = [], np.empty(n, np.uint8), 0
             for i in order:
                 name = infos[i][0]
                 if name not in parent:
                     raise malformed(f"parent lacks tensor {name!r}")
                 parts.append(as_words(parent[name], dt, infos[i][2], "parent " + name, untrusted=True))
-            par = np.concatenate(parts)
-            e = exponent(par, dt)
+                e[off : off + infos[i][2]] = exponent(parts[-1], dt)
+                off += infos[i][2]
         words = None if len(segments) == 1 and len(segments[0][2]) == 1 else np.empty(n, dt.word)
         off = 0
         for seg_n, bounds, classes in segments:
-            e_seg = e[off : off + seg_n] if kind == KIND_DELTA else None
-            counts = (
-                [seg_n]
-                if not bounds
-                else [int(np.count_nonzero(class_mask(e_seg, bounds, k))) for k in range(len(classes))]
-            )
+            # Each class's size is read from its frames (the plane of whole bytes has one byte per
+            # element); together they must cover the segment, and scatter_classes checks them against
+            # the parent's classes element by element.
+            counts, at = [], pos
+            for layout, lens in classes if len(classes) > 1 else ():
+                counts.append(class_size(buf, at, lens, layout))
+                at += sum(lens)
+            counts = counts or [seg_n]
+            if sum(counts) != seg_n:
+                raise malformed(f"class sizes {counts} do not add up to the segment's {seg_n} elements")
             streams = []
             for cnt, (layout, lens) in zip(counts, classes):
                 planes = []
@@ -154,19 +176,18 @@ def decode_payload(codec, specs, payload, parent, max_raw_bytes) -> dict[str, by
                 streams.append(unpack(planes, layout, cnt, dt))
             if words is None:
                 words = streams[0]
-            elif not bounds:
+            elif len(classes) == 1:
                 words[off : off + seg_n] = streams[0]
-            else:
-                scatter_classes(words[off : off + seg_n], e_seg, bounds, streams)
+            elif not scatter_classes(words[off : off + seg_n], class_ids(e[off : off + seg_n], bounds), streams):
+                raise ProtocolError(RejectCode.HASH_MISMATCH, "class sizes differ from the parent's exponent classes "
+                                    "(delta applied to the wrong parent?)")
             off += seg_n
-        if kind == KIND_KEYFRAME:
-            flat = rotr1(words, dt.bits)
-        else:
-            flat = unzigzag(words)
-            flat += par
         off = 0
-        for i, size in zip(order, sizes):
-            out[infos[i][0]] = flat[off : off + size].tobytes()
+        scratch = np.empty(max(sizes, default=0), dt.word) if kind == KIND_DELTA else None
+        for k, (i, size) in enumerate(zip(order, sizes)):
+            w = words[off : off + size]
+            w = rotr1(w, dt.bits) if kind == KIND_KEYFRAME else unzigzag_add_inplace(w, parts[k], scratch)
+            out[infos[i][0]] = w.tobytes()
             off += size
     if tensors_crc(infos, out) != crc:
         raise ProtocolError(

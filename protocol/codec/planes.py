@@ -1,5 +1,15 @@
 """Word transforms shared by the encoder and the decoder: bit rotation, zigzag deltas, exponent
-classes, and the two plane layouts (byte planes; bit fields 1-1-2-4-8...), each plane one zstd frame.
+classes (and the stable partition of a segment by class), and the two plane layouts (byte planes;
+bit fields 1-1-2-4-8...), each plane one zstd frame.
+
+Speed notes (docs/codec.md has the figures). Everything is whole-array numpy; no Python loop runs
+per element. Per element the delta path costs a handful of integer ufunc passes (numpy's fastest
+operations: add, multiply, and, or, shifts by a constant on uint16/32/64), one table-free stable
+partition by class, one zstd pass and one crc32 pass. Two habits keep it that way:
+- no strided copies and no uint8 left shifts (numpy runs both ~10x slower than a cast or a
+  multiply), no `np.take` on a lookup table (it widens every uint8 index to intp first);
+- temporaries of the partition live in buffers of CLASS_CHUNK elements that are reused, because a
+  fresh multi-MiB allocation costs page faults (kernel time) worth more than the work itself.
 """
 
 from __future__ import annotations
@@ -25,51 +35,141 @@ def rotr1(w: np.ndarray, bits: int) -> np.ndarray:
     return (w >> w.dtype.type(1)) | (w << w.dtype.type(bits - 1))
 
 
-def zigzag(d: np.ndarray, bits: int) -> np.ndarray:
-    """d: unsigned wrap-around difference -> zigzag code (small |d| -> small code)."""
+def zigzag_inplace(d: np.ndarray, bits: int) -> np.ndarray:
+    """d: unsigned wrap-around difference -> zigzag code (small |d| -> small code), in place."""
     s = d.view(np.dtype(f"<i{bits // 8}"))
-    return ((s << s.dtype.type(1)) ^ (s >> s.dtype.type(bits - 1))).view(d.dtype)
+    sign = s >> s.dtype.type(bits - 1)  # 0 or -1
+    s += s
+    s ^= sign
+    return d
 
 
-def unzigzag(w: np.ndarray) -> np.ndarray:
+def unzigzag_add_inplace(w: np.ndarray, parent: np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:
+    """w = unzigzag(w) + parent (mod 2^bits), in place (`scratch`: a reusable buffer of w's dtype)."""
     one = w.dtype.type(1)
-    sign = w & one
+    sign = np.bitwise_and(w, one, out=None if scratch is None else scratch[: w.size])
     np.negative(sign, out=sign)
-    out = w >> one
-    out ^= sign
-    return out
+    w >>= one
+    w ^= sign
+    w += parent
+    return w
 
 
 def exponent(w: np.ndarray, dt: Dtype) -> np.ndarray:
-    e = (w >> w.dtype.type(dt.mant_bits)) & w.dtype.type(dt.exp_mask)
-    return e.astype(np.uint8)
+    e = w >> w.dtype.type(dt.mant_bits)
+    if dt.exp_mask != 0xFF:
+        e &= w.dtype.type(dt.exp_mask)
+    return e.astype(np.uint8)  # bf16/fp32: the sign sits just above the 8 exponent bits and is cut off
 
 
-def class_mask(e: np.ndarray, bounds: Sequence[int], k: int) -> np.ndarray:
-    """Boolean mask of class k: bounds[k-1] <= e < bounds[k] (open-ended at both ends)."""
-    if k == 0:
-        return e < np.uint8(bounds[0])
-    if k == len(bounds):
-        return e >= np.uint8(bounds[-1])
-    mask = e >= np.uint8(bounds[k - 1])
-    mask &= e < np.uint8(bounds[k])
-    return mask
+def class_ids(e: np.ndarray, bounds: Sequence[int]) -> np.ndarray:
+    """Class of each element: how many bounds are <= its exponent (uint8), one compare per bound."""
+    cls = (e >= np.uint8(bounds[0])).view(np.uint8) if bounds else np.zeros(e.size, np.uint8)
+    for b in bounds[1:]:
+        cls += (e >= np.uint8(b)).view(np.uint8)
+    return cls
 
 
-# The decoder scatters classes back chunk by chunk, so its temporary index arrays stay <= 8 MiB
-# however big the adapter (same speed as whole segments; less memory and fewer page faults).
-SCATTER_CHUNK = 1 << 20
+def class_counts(cls: np.ndarray, nclasses: int) -> list[int]:
+    return [int(np.count_nonzero(cls == np.uint8(k))) for k in range(nclasses)]
 
 
-def scatter_classes(out: np.ndarray, e: np.ndarray, bounds: Sequence[int], streams: list[np.ndarray]) -> None:
-    """out[i] = next unused element of streams[class of e[i]], i in increasing order."""
+# ---- the stable partition of a segment by class (encoder: gather; decoder: scatter back) ----------
+#
+# Class k's stream is the segment's class-k elements in their original order. Both directions work
+# CLASS_CHUNK elements at a time, so their temporaries stay small and are reused.
+#
+# Each element's slot in "[spare] + the chunk's class-0 members + class-1 members + ..." comes from
+# ONE cumulative sum: element i adds 1 to the 16-bit lane of its class in a uint64, so lane k of the
+# running sum counts the class-k elements so far; adding each lane's start and reading the element's
+# own lane gives its slot. The encoder scatters the chunk to its slots, the decoder gathers from
+# them. Up to LANE_CLASSES classes fit in the lanes (the encoder never uses more); a header may name
+# up to 16 and the decoder takes a per-class `flatnonzero` path for those.
+LANE_CLASSES = 4
+CLASS_CHUNK = (1 << 16) - 2  # a lane counts up to CLASS_CHUNK + 1 without reaching the next lane
+_LANE = np.uint8(16)
+_LANE_MASK = np.uint64(0xFFFF)
+
+
+class _Lanes:
+    """Reusable chunk buffers for the slot computation."""
+
+    def __init__(self) -> None:
+        self.acc = np.empty(CLASS_CHUNK, np.uint64)
+        self.shift = np.empty(CLASS_CHUNK, np.uint64)
+
+    def counts(self, cc: np.ndarray) -> list[int]:
+        """Per-class member counts of the chunk; leaves the running lane sums in self.acc."""
+        s, sh = self.acc[: cc.size], self.shift[: cc.size]
+        np.copyto(sh, cc * _LANE, casting="unsafe")  # 16 * class: a uint8 multiply, then one widening copy
+        np.left_shift(np.uint64(1), sh, out=s)
+        np.cumsum(s, out=s)
+        total = int(s[-1])
+        return [(total >> (16 * k)) & 0xFFFF for k in range(LANE_CLASSES)]
+
+    def slots(self, m: int, counts: Sequence[int]) -> np.ndarray:
+        """After counts(): each element's slot (1..m) in [spare] + class 0 members + class 1 ..."""
+        s, sh = self.acc[:m], self.shift[:m]
+        lanes, at = 0, 0
+        for k, c in enumerate(counts):
+            lanes |= at << (16 * k)
+            at += c
+        s += np.uint64(lanes)
+        np.right_shift(s, sh, out=s)
+        s &= _LANE_MASK
+        return s.view(np.int64)
+
+
+def gather_classes(w: np.ndarray, cls: np.ndarray, nclasses: int) -> list[np.ndarray]:
+    """The elements of each class, in their original order: a stable partition of `w` by `cls`."""
+    pieces: list[list[np.ndarray]] = [[] for _ in range(nclasses)]
+    lanes = _Lanes() if nclasses <= LANE_CLASSES else None
+    buf = np.empty(CLASS_CHUNK + 1, w.dtype)
+    for c0 in range(0, w.size, CLASS_CHUNK):
+        cc, wc = cls[c0 : c0 + CLASS_CHUNK], w[c0 : c0 + CLASS_CHUNK]
+        if lanes is None:  # more classes than lanes (max_classes > 4): one flatnonzero per class
+            for k in range(nclasses):
+                pieces[k].append(np.take(wc, np.flatnonzero(cc == np.uint8(k))))
+            continue
+        chunk = lanes.counts(cc)[:nclasses]
+        buf[lanes.slots(cc.size, chunk)] = wc
+        at = 1
+        for k, c in enumerate(chunk):
+            pieces[k].append(buf[at : at + c].copy())
+            at += c
+    return [np.concatenate(p) if p else np.empty(0, w.dtype) for p in pieces]
+
+
+def scatter_classes(out: np.ndarray, cls: np.ndarray, streams: Sequence[np.ndarray]) -> bool:
+    """Inverse of gather_classes: out[i] = the next unused element of streams[cls[i]]. False (with
+    `out` partly written) unless every stream is used up exactly: the stream sizes come from the
+    payload, the classes from the parent, and the two must agree."""
     pos = [0] * len(streams)
-    for c0 in range(0, out.size, SCATTER_CHUNK):
-        ec, oc = e[c0 : c0 + SCATTER_CHUNK], out[c0 : c0 + SCATTER_CHUNK]
-        for k, stream in enumerate(streams):
-            idx = np.flatnonzero(class_mask(ec, bounds, k))
-            oc[idx] = stream[pos[k] : pos[k] + idx.size]
-            pos[k] += idx.size
+    lanes = _Lanes() if len(streams) <= LANE_CLASSES else None
+    src = np.empty(CLASS_CHUNK + 1, out.dtype)
+    for c0 in range(0, out.size, CLASS_CHUNK):
+        cc, oc = cls[c0 : c0 + CLASS_CHUNK], out[c0 : c0 + CLASS_CHUNK]
+        if lanes is None:  # more classes than lanes: one flatnonzero per class
+            for k, stream in enumerate(streams):
+                idx = np.flatnonzero(cc == np.uint8(k))
+                if pos[k] + idx.size > stream.size:
+                    return False
+                oc[idx] = stream[pos[k] : pos[k] + idx.size]
+                pos[k] += idx.size
+            continue
+        chunk = lanes.counts(cc)[: len(streams)]
+        at = 1
+        for k, c in enumerate(chunk):
+            if pos[k] + c > streams[k].size:
+                return False
+            src[at : at + c] = streams[k][pos[k] : pos[k] + c]
+            pos[k] += c
+            at += c
+        np.take(src, lanes.slots(cc.size, chunk), out=oc, mode="clip")  # slots are in range by construction
+    return all(p == s.size for p, s in zip(pos, streams))
+
+
+# ---- plane layouts --------------------------------------------------------------------------------
 
 
 def plane_sizes(layout: int, n: int, dt: Dtype) -> list[int]:
@@ -78,74 +178,98 @@ def plane_sizes(layout: int, n: int, dt: Dtype) -> list[int]:
     return [-(-n * w // 8) if w < 8 else n for w in FIELDS[dt.bits]]
 
 
+def byte_planes(w: np.ndarray, dt: Dtype, first: int = 0) -> list[np.ndarray]:
+    """Bytes first.. of every word as planes, least significant first (casts, not strided copies)."""
+    return [(w >> w.dtype.type(8 * j)).astype(np.uint8) if j else w.astype(np.uint8) for j in range(first, dt.itemsize)]
+
+
+def _padded(v: np.ndarray, per: int) -> np.ndarray:
+    pad = (-v.size) % per
+    return np.concatenate([v, np.zeros(pad, np.uint8)]) if pad else v
+
+
 def pack(w: np.ndarray, layout: int, dt: Dtype) -> list[np.ndarray]:
-    n = w.size
     if layout == LAYOUT_BYTES:
-        b = w.view(np.uint8).reshape(n, dt.itemsize)
-        return [np.ascontiguousarray(b[:, j]) for j in range(dt.itemsize)]
-    planes, pos = [], 0
-    for width in FIELDS[dt.bits]:
-        v = ((w >> w.dtype.type(pos)) & w.dtype.type((1 << width) - 1)).astype(np.uint8)
-        pos += width
-        if width == 8:
-            planes.append(v)
-        elif width == 1:
-            planes.append(np.packbits(v, bitorder="little"))
-        else:
-            per = 8 // width
-            pad = (-n) % per
-            if pad:
-                v = np.concatenate([v, np.zeros(pad, np.uint8)])
-            v = v.reshape(-1, per)
-            packed = v[:, 0].copy()
-            for j in range(1, per):
-                packed |= v[:, j] << np.uint8(j * width)
-            planes.append(packed)
-    return planes
-
-
-# Packed byte -> its 2-bit (resp. 4-bit) fields, one per output byte, already shifted to their place
-# in the low byte (bits 2-3, resp. 4-7): the decoder expands a packed plane with one table lookup
-# per input byte (numpy's uint8 shifts are ~10x slower than its table lookups and ORs).
-LUT2 = np.array([sum((((b >> (2 * j)) & 3) << 2) << (8 * j) for j in range(4)) for b in range(256)], dtype="<u4")
-LUT4 = np.array([((b & 15) << 4) | ((b >> 4) << 12) for b in range(256)], dtype="<u2")
+        return byte_planes(w, dt)
+    lo = w.astype(np.uint8)  # bits 0-7 of every word; the fields are cut from it
+    planes = [np.packbits(lo & np.uint8(1), bitorder="little"),
+              np.packbits((lo >> np.uint8(1)) & np.uint8(1), bitorder="little")]
+    # Bits 2-3 of 4 consecutive words into one byte: a little-endian uint32 view holds the 4 fields at
+    # bits 0, 8, 16, 24; x | x >> 6 puts field 1 beside field 0 (and 3 beside 2), | >> 12 brings
+    # fields 2-3 down, and the cast keeps the low byte.
+    x = _padded((lo >> np.uint8(2)) & np.uint8(3), 4).view("<u4")
+    x |= x >> np.uint32(6)
+    x |= x >> np.uint32(12)
+    planes.append(x.astype(np.uint8))
+    # Bits 4-7 of 2 consecutive words, the same way through a uint16 view.
+    y = _padded(lo >> np.uint8(4), 2).view("<u2")
+    y |= y >> np.uint16(4)
+    planes.append(y.astype(np.uint8))
+    return planes + byte_planes(w, dt, first=1)
 
 
 def unpack(planes: list[bytes], layout: int, n: int, dt: Dtype) -> np.ndarray:
     word = dt.word
     if layout == LAYOUT_BYTES:
-        if dt.itemsize == 2:
-            w = np.frombuffer(planes[1], np.uint8).astype(word)
-            w <<= word.type(8)
-            w |= np.frombuffer(planes[0], np.uint8)
-            return w
-        out = np.empty((n, dt.itemsize), np.uint8)
-        for j, p in enumerate(planes):
-            out[:, j] = np.frombuffer(p, np.uint8)
-        return out.view(word).reshape(n)
-    # Bit fields (1, 1, 2, 4, then whole bytes): rebuild the low byte, then the upper byte planes.
-    lo = np.unpackbits(np.frombuffer(planes[0], np.uint8), count=n, bitorder="little")
-    b1 = np.unpackbits(np.frombuffer(planes[1], np.uint8), count=n, bitorder="little")
-    b1 += b1
-    lo |= b1
-    lo |= np.take(LUT2, np.frombuffer(planes[2], np.uint8)).view(np.uint8)[:n]
-    lo |= np.take(LUT4, np.frombuffer(planes[3], np.uint8)).view(np.uint8)[:n]
-    if dt.itemsize == 2:
-        w = np.frombuffer(planes[4], np.uint8).astype(word)
-        w <<= word.type(8)
-        w |= lo
-        return w
-    out = np.empty((n, dt.itemsize), np.uint8)
-    out[:, 0] = lo
-    for j, p in enumerate(planes[4:], start=1):
-        out[:, j] = np.frombuffer(p, np.uint8)
-    return out.view(word).reshape(n)
+        lo = np.frombuffer(planes[0], np.uint8)
+        upper = planes[1:]
+    else:
+        # Bit fields (1, 1, 2, 4, then whole bytes): rebuild the low byte with integer ops on wider
+        # views, one pass each, then the upper byte planes.
+        lo = np.unpackbits(np.frombuffer(planes[0], np.uint8), count=n, bitorder="little")
+        b1 = np.unpackbits(np.frombuffer(planes[1], np.uint8), count=n, bitorder="little")
+        b1 += b1
+        lo |= b1
+        x = np.frombuffer(planes[2], np.uint8).astype("<u4")  # the packing above, backwards
+        x |= x << np.uint32(12)
+        x &= np.uint32(0x000F000F)
+        x |= x << np.uint32(6)
+        x &= np.uint32(0x03030303)
+        x <<= np.uint32(2)
+        lo |= x.view(np.uint8)[:n]
+        y = np.frombuffer(planes[3], np.uint8).astype("<u2")
+        y |= y << np.uint16(4)
+        y &= np.uint16(0x0F0F)
+        y <<= np.uint16(4)
+        lo |= y.view(np.uint8)[:n]
+        upper = planes[4:]
+    # Most significant plane first, then w = w * 256 + the next plane down: one allocation, and
+    # multiply/add are the fastest integer ufuncs numpy has at these widths.
+    w = np.frombuffer(upper[-1], np.uint8).astype(word)
+    for p in [*upper[-2::-1], lo]:
+        w *= word.type(256)
+        np.add(w, p if isinstance(p, np.ndarray) else np.frombuffer(p, np.uint8), out=w, casting="unsafe")
+    return w
 
 
-def compress_class(w: np.ndarray, dt: Dtype, cctx: zstd.ZstdCompressor, try_fields: bool):
+# The layout of a delta class follows from the share of its code words that are at most one bit
+# long (0 or 1; the encoder reads it off its bit-length histogram): measured on bench/codec.py's
+# trajectory, bit fields win by >= 30 % from a share of 0.83 up, byte planes by ~2 % at 0.58 and
+# below. Between FIELDS_BELOW and FIELDS_ABOVE (and without a share) the class's strided sample (one
+# element in LAYOUT_SAMPLE_STRIDE) is compressed both ways; classes of at most LAYOUT_SAMPLE_MIN
+# elements are compressed both ways in full.
+FIELDS_BELOW = 0.5
+FIELDS_ABOVE = 0.8
+LAYOUT_SAMPLE_MIN = 1 << 16
+LAYOUT_SAMPLE_STRIDE = 8
+
+
+def compress_class(w: np.ndarray, dt: Dtype, cctx: zstd.ZstdCompressor, try_fields: bool,
+                   small_codes: float | None = None):
+    """(layout, frames) for one class, in whichever layout compresses smaller."""
+    layouts = (LAYOUT_BYTES, LAYOUT_FIELDS) if try_fields else (LAYOUT_BYTES,)
+    if len(layouts) > 1 and w.size > LAYOUT_SAMPLE_MIN:
+        if small_codes is not None and small_codes <= FIELDS_BELOW:
+            layouts = (LAYOUT_BYTES,)
+        elif small_codes is not None and small_codes >= FIELDS_ABOVE:
+            layouts = (LAYOUT_FIELDS,)
+        else:
+            sample = w[::LAYOUT_SAMPLE_STRIDE]
+            sizes = [sum(len(cctx.compress(p)) for p in pack(sample, lay, dt)) for lay in layouts]
+            layouts = (layouts[int(np.argmin(sizes))],)
     best = None
-    for layout in (LAYOUT_BYTES, LAYOUT_FIELDS) if try_fields else (LAYOUT_BYTES,):
-        frames = [cctx.compress(p.tobytes()) for p in pack(w, layout, dt)]
+    for layout in layouts:
+        frames = [cctx.compress(p) for p in pack(w, layout, dt)]
         size = sum(len(f) for f in frames)
         if best is None or size < best[0]:
             best = (size, layout, frames)

@@ -177,6 +177,48 @@ def test_both_plane_layouts_roundtrip_any_length(case):
         assert np.array_equal(codec_planes.unpack(planes, layout, w.size, dt), w)
 
 
+@pytest.mark.parametrize("nclasses", [1, 2, 4, 5, 16])
+def test_class_partition_is_stable_and_inverts_across_chunks(nclasses):
+    """Lanes path (<= 4 classes) and flatnonzero path (more), over several CLASS_CHUNKs."""
+    rng = np.random.default_rng(nclasses)
+    n = 2 * codec_planes.CLASS_CHUNK + 12345
+    cls = rng.integers(0, nclasses, n).astype(np.uint8)
+    w = rng.integers(0, 1 << 16, n).astype("<u2")
+    streams = codec_planes.gather_classes(w, cls, nclasses)
+    for k, stream in enumerate(streams):
+        assert np.array_equal(stream, w[cls == k])  # class k's members, in their original order
+    out = np.empty_like(w)
+    assert codec_planes.scatter_classes(out, cls, streams) and np.array_equal(out, w)
+    if nclasses > 1:  # streams that do not fit the classes are refused, never read out of range
+        for bad in ([streams[0][:-1], *streams[1:]], [np.append(streams[0], 7).astype("<u2"), *streams[1:]]):
+            assert not codec_planes.scatter_classes(np.empty_like(w), cls, bad)
+
+
+def test_wrong_parent_with_exponent_classes_is_a_hash_mismatch():
+    specs, (v0, v1, v2) = lora_like(4, steps=3)
+    delta = encode_delta(specs, v2, v1)
+    assert max(len(s["classes"]) for g in describe(delta)["groups"] for s in g["segments"]) > 1
+    assert decode(DELTA_CODEC, specs, delta, v1, max_raw_bytes=CAP) == v2
+    _err(RejectCode.HASH_MISMATCH, decode, DELTA_CODEC, specs, delta, v0, max_raw_bytes=CAP)
+
+
+def test_layout_follows_the_share_of_small_codes_and_samples_in_between():
+    dt, cctx = codec_format.DTYPES["bf16"], codec_encoder.compressor(1)
+    rng = np.random.default_rng(5)
+    mostly_zero = (rng.random(200_000) < 0.05).astype("<u2")  # barely moving weights: fields win
+    wide = rng.integers(0, 300, 200_000).astype("<u2")  # tens of ULPs: byte planes win
+
+    def full_size(w, layout):
+        return sum(len(cctx.compress(p)) for p in codec_planes.pack(w, layout, dt))
+
+    for w, share in ((mostly_zero, 0.95), (wide, 0.01)):
+        best = min((codec_format.LAYOUT_BYTES, codec_format.LAYOUT_FIELDS), key=lambda lay: full_size(w, lay))
+        assert codec_planes.compress_class(w, dt, cctx, True, small_codes=share)[0] == best
+        assert codec_planes.compress_class(w, dt, cctx, True, small_codes=0.65)[0] == best  # sampled
+        assert codec_planes.compress_class(w, dt, cctx, True)[0] == best
+    assert codec_planes.compress_class(mostly_zero, dt, cctx, False)[0] == codec_format.LAYOUT_BYTES  # keyframes
+
+
 @pytest.mark.parametrize("dtype", sorted(BITS))
 def test_every_special_value_and_sign_flip(dtype):
     """Each special pattern -> each special pattern (incl. +0 <-> -0, inf <-> NaN, x <-> -x)."""
