@@ -35,7 +35,6 @@ from .format import (
 )
 from .planes import (
     class_ids,
-    exponent,
     plane_sizes,
     rotr1,
     scatter_classes,
@@ -134,7 +133,7 @@ def decode_payload(codec, specs, payload, parent, max_raw_bytes) -> dict[str, by
             raise malformed("tensor order is not a permutation of the group's specs")
         segments, t = [], 0
         for cnt, bounds, classes in segs:
-            segments.append((sum(infos[i][2] for i in order[t : t + cnt]), bounds, classes))
+            segments.append((sum(infos[i][2] for i in order[t : t + cnt]), (t, t + cnt), bounds, classes))
             t += cnt
         plan.append((DTYPES[dtname], order, segments))
 
@@ -145,18 +144,15 @@ def decode_payload(codec, specs, payload, parent, max_raw_bytes) -> dict[str, by
     for dt, order, segments in plan:
         sizes = [infos[i][2] for i in order]
         n = sum(sizes)
-        if kind == KIND_DELTA:  # the parent's words and exponents, tensor by tensor (no group-sized temporaries)
-            parts, e, off = [], np.empty(n, np.uint8), 0
-            for i in order:
-                name = infos[i][0]
-                if name not in parent:
-                    raise malformed(f"parent lacks tensor {name!r}")
-                parts.append(as_words(parent[name], dt, infos[i][2], "parent " + name, untrusted=True))
-                e[off : off + infos[i][2]] = exponent(parts[-1], dt)
-                off += infos[i][2]
-        words = None if len(segments) == 1 and len(segments[0][2]) == 1 else np.empty(n, dt.word)
+        parts = []  # the parent's words, in the group's order
+        for i in order if kind == KIND_DELTA else ():
+            name = infos[i][0]
+            if name not in parent:
+                raise malformed(f"parent lacks tensor {name!r}")
+            parts.append(as_words(parent[name], dt, infos[i][2], "parent " + name, untrusted=True))
+        words = None if len(segments) == 1 and len(segments[0][3]) == 1 else np.empty(n, dt.word)
         off = 0
-        for seg_n, bounds, classes in segments:
+        for seg_n, (first, last), bounds, classes in segments:
             # Each class's size is read from its frames (the plane of whole bytes has one byte per
             # element); together they must cover the segment, and scatter_classes checks them against
             # the parent's classes element by element.
@@ -178,7 +174,7 @@ def decode_payload(codec, specs, payload, parent, max_raw_bytes) -> dict[str, by
                 words = streams[0]
             elif len(classes) == 1:
                 words[off : off + seg_n] = streams[0]
-            elif not scatter_classes(words[off : off + seg_n], class_ids(e[off : off + seg_n], bounds), streams):
+            elif not scatter_classes(words[off : off + seg_n], class_ids(parts[first:last], bounds, dt), streams):
                 raise ProtocolError(RejectCode.HASH_MISMATCH, "class sizes differ from the parent's exponent classes "
                                     "(delta applied to the wrong parent?)")
             off += seg_n

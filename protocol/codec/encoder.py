@@ -87,17 +87,25 @@ def xlogx(h) -> float:
     return tot * math.log2(tot) - sum(x * math.log2(x) for x in h if x > 0) if tot > 0 else 0.0
 
 
-def bitlen_histogram(e: np.ndarray, words: np.ndarray) -> np.ndarray:
-    """joint[exponent, bit length of the code word] for a segment, counted on an evenly strided
-    sample of at most ~BOUNDS_SAMPLE elements and scaled to the segment's size (float64)."""
-    n = e.size
+def bitlen_histogram(exps: Sequence[np.ndarray], words: np.ndarray) -> np.ndarray:
+    """joint[exponent, bit length of the code word] for a segment (`exps`: its tensors' exponents,
+    `words`: its code words), counted on an evenly strided sample of at most ~BOUNDS_SAMPLE elements
+    and scaled to the segment's size (float64)."""
+    n = words.size
     stride = max(1, n // BOUNDS_SAMPLE)
-    es, ws = (e, words) if stride == 1 else (e[::stride], words[::stride])
     nbits = words.dtype.itemsize * 8 + 1
-    key = es.astype(np.intp)
-    key *= nbits
-    key += bitlen(ws)
-    return np.bincount(key, minlength=256 * nbits).reshape(256, nbits) * (n / max(es.size, 1))
+    joint = np.zeros(256 * nbits, np.int64)
+    off = sampled = 0
+    for e in exps:
+        first = (-off) % stride  # the same elements as words[::stride]
+        es, ws = e[first::stride], words[off + first : off + e.size : stride]
+        key = es.astype(np.intp)
+        key *= nbits
+        key += bitlen(ws)
+        joint += np.bincount(key, minlength=256 * nbits)
+        sampled += es.size
+        off += e.size
+    return joint.reshape(256, nbits) * (n / max(sampled, 1))
 
 
 def choose_bounds(joint: np.ndarray, n: int, max_classes: int) -> list[int]:
@@ -195,8 +203,8 @@ def encode_payload(
         words = np.empty(n, dt.word)
         # Tensor by tensor into one buffer (no group-sized temporaries: they would cost page faults).
         if kind == KIND_KEYFRAME:
-            order, seg_counts = order_and_segments({i: exponent(cur_parts[i], dt) for i in idx}, idx, split=False)
-            e = None
+            exps = {i: exponent(cur_parts[i], dt) for i in idx}
+            order, seg_counts = order_and_segments(exps, idx, split=False)
             off = 0
             for i in order:
                 words[off : off + infos[i][2]] = rotl1(cur_parts[i], dt.bits)
@@ -207,13 +215,11 @@ def encode_payload(
             }
             exps = {i: exponent(par_parts[i], dt) for i in idx}
             order, seg_counts = order_and_segments(exps, idx, split=max_classes > 1)
-            e = np.empty(n, np.uint8)
             off = 0
             for i in order:
                 d = words[off : off + infos[i][2]]
                 np.subtract(cur_parts[i], par_parts[i], out=d)
                 zigzag_inplace(d, dt.bits)
-                e[off : off + infos[i][2]] = exps[i]
                 off += infos[i][2]
         header += struct.pack(f"<BI{len(order)}IB", dt.code, len(order), *order, len(seg_counts))
         off = t = 0
@@ -221,11 +227,11 @@ def encode_payload(
             n_seg = sum(infos[i][2] for i in order[t : t + cnt])
             t += cnt
             w_seg = words[off : off + n_seg]
-            joint = None if e is None else bitlen_histogram(e[off : off + n_seg], w_seg)
+            seg = order[t - cnt : t]
+            joint = None if kind == KIND_KEYFRAME else bitlen_histogram([exps[i] for i in seg], w_seg)
             bounds: list[int] = [] if joint is None else choose_bounds(joint, n_seg, max_classes)
             if bounds:
-                cls = class_ids(e[off : off + n_seg], bounds)
-                members = gather_classes(w_seg, cls, len(bounds) + 1)
+                members = gather_classes(w_seg, class_ids([par_parts[i] for i in seg], bounds, dt), len(bounds) + 1)
             else:
                 members = [w_seg]
             off += n_seg

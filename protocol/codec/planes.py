@@ -62,16 +62,27 @@ def exponent(w: np.ndarray, dt: Dtype) -> np.ndarray:
     return e.astype(np.uint8)  # bf16/fp32: the sign sits just above the 8 exponent bits and is cut off
 
 
-def class_ids(e: np.ndarray, bounds: Sequence[int]) -> np.ndarray:
-    """Class of each element: how many bounds are <= its exponent (uint8), one compare per bound."""
-    cls = (e >= np.uint8(bounds[0])).view(np.uint8) if bounds else np.zeros(e.size, np.uint8)
-    for b in bounds[1:]:
-        cls += (e >= np.uint8(b)).view(np.uint8)
+def class_ids(parents: Sequence[np.ndarray], bounds: Sequence[int], dt: Dtype) -> np.ndarray:
+    """Class of each element of the concatenated `parents` (word arrays, e.g. a segment's tensors):
+    how many bounds are <= its exponent, as uint8. exponent >= b exactly when the magnitude bits are
+    >= b << mant_bits, so no exponent array is built; one compare per bound, tensor by tensor (no
+    segment-sized temporaries)."""
+    n = sum(p.size for p in parents)
+    cls = np.empty(n, np.uint8)
+    mag = parents[0].dtype.type((1 << (dt.bits - 1)) - 1) if parents else None
+    limits = [parents[0].dtype.type(b << dt.mant_bits) for b in bounds] if parents else []
+    off = 0
+    for p in parents:
+        m = p & mag
+        c = cls[off : off + p.size]
+        if limits:
+            np.greater_equal(m, limits[0], out=c.view(np.bool_))
+            for lim in limits[1:]:
+                c += (m >= lim).view(np.uint8)
+        else:
+            c[:] = 0
+        off += p.size
     return cls
-
-
-def class_counts(cls: np.ndarray, nclasses: int) -> list[int]:
-    return [int(np.count_nonzero(cls == np.uint8(k))) for k in range(nclasses)]
 
 
 # ---- the stable partition of a segment by class (encoder: gather; decoder: scatter back) ----------
