@@ -39,7 +39,7 @@ from .planes import (
     rotr1,
     scatter_classes,
     unpack,
-    unzigzag_add_inplace,
+    unzigzag_inplace,
 )
 
 
@@ -178,11 +178,15 @@ def decode_payload(codec, specs, payload, parent, max_raw_bytes) -> dict[str, by
                 raise ProtocolError(RejectCode.HASH_MISMATCH, "class sizes differ from the parent's exponent classes "
                                     "(delta applied to the wrong parent?)")
             off += seg_n
+        if kind == KIND_DELTA:
+            unzigzag_inplace(words)
         off = 0
-        scratch = np.empty(max(sizes, default=0), dt.word) if kind == KIND_DELTA else None
         for k, (i, size) in enumerate(zip(order, sizes)):
             w = words[off : off + size]
-            w = rotr1(w, dt.bits) if kind == KIND_KEYFRAME else unzigzag_add_inplace(w, parts[k], scratch)
+            if kind == KIND_KEYFRAME:
+                w = rotr1(w, dt.bits)
+            else:
+                w += parts[k]  # the parent, tensor by tensor
             out[infos[i][0]] = w.tobytes()
             off += size
     if tensors_crc(infos, out) != crc:

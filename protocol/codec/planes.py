@@ -44,14 +44,21 @@ def zigzag_inplace(d: np.ndarray, bits: int) -> np.ndarray:
     return d
 
 
-def unzigzag_add_inplace(w: np.ndarray, parent: np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:
-    """w = unzigzag(w) + parent (mod 2^bits), in place (`scratch`: a reusable buffer of w's dtype)."""
+UNZIGZAG_CHUNK = 1 << 18
+
+
+def unzigzag_inplace(w: np.ndarray) -> np.ndarray:
+    """Zigzag code -> wrap-around difference, in place, UNZIGZAG_CHUNK words at a time (one
+    reusable temporary instead of one per tensor or one the size of the group)."""
     one = w.dtype.type(1)
-    sign = np.bitwise_and(w, one, out=None if scratch is None else scratch[: w.size])
-    np.negative(sign, out=sign)
-    w >>= one
-    w ^= sign
-    w += parent
+    sign = np.empty(min(w.size, UNZIGZAG_CHUNK), w.dtype)
+    for c0 in range(0, w.size, UNZIGZAG_CHUNK):
+        wc = w[c0 : c0 + UNZIGZAG_CHUNK]
+        sc = sign[: wc.size]
+        np.bitwise_and(wc, one, out=sc)
+        np.negative(sc, out=sc)
+        wc >>= one
+        wc ^= sc
     return w
 
 
