@@ -26,6 +26,7 @@ from .format import (
     KIND_KEYFRAME,
     MAGIC,
     MAX_DECODE_CLASSES,
+    Dtype,
     EncodedAdapter,
     as_words,
     checked_specs,
@@ -87,24 +88,24 @@ def xlogx(h) -> float:
     return tot * math.log2(tot) - sum(x * math.log2(x) for x in h if x > 0) if tot > 0 else 0.0
 
 
-def bitlen_histogram(exps: Sequence[np.ndarray], words: np.ndarray) -> np.ndarray:
-    """joint[exponent, bit length of the code word] for a segment (`exps`: its tensors' exponents,
-    `words`: its code words), counted on an evenly strided sample of at most ~BOUNDS_SAMPLE elements
-    and scaled to the segment's size (float64)."""
+def bitlen_histogram(parents: Sequence[np.ndarray], words: np.ndarray, dt: Dtype) -> np.ndarray:
+    """joint[parent exponent, bit length of the code word] for a segment (`parents`: its tensors'
+    parent words, `words`: its code words), counted on an evenly strided sample of at most
+    ~BOUNDS_SAMPLE elements and scaled to the segment's size (float64)."""
     n = words.size
     stride = max(1, n // BOUNDS_SAMPLE)
     nbits = words.dtype.itemsize * 8 + 1
     joint = np.zeros(256 * nbits, np.int64)
     off = sampled = 0
-    for e in exps:
+    for p in parents:
         first = (-off) % stride  # the same elements as words[::stride]
-        es, ws = e[first::stride], words[off + first : off + e.size : stride]
+        es, ws = exponent(p[first::stride], dt), words[off + first : off + p.size : stride]
         key = es.astype(np.intp)
         key *= nbits
         key += bitlen(ws)
         joint += np.bincount(key, minlength=256 * nbits)
         sampled += es.size
-        off += e.size
+        off += p.size
     return joint.reshape(256, nbits) * (n / max(sampled, 1))
 
 
@@ -150,13 +151,25 @@ def choose_bounds(joint: np.ndarray, n: int, max_classes: int) -> list[int]:
     return values[1:]
 
 
-def order_and_segments(exps: dict[int, np.ndarray], idx: list[int], split: bool) -> tuple[list[int], list[int]]:
+# A tensor's mean exponent (for the order) is taken over an evenly strided sample of at most this
+# many of its elements.
+MEAN_SAMPLE = 4096
+
+
+def mean_exponent(w: np.ndarray, dt: Dtype) -> float:
+    if not w.size:
+        return 0.0
+    e = exponent(w[:: max(1, w.size // MEAN_SAMPLE)], dt)
+    return int(np.add.reduce(e, dtype=np.uint64)) / e.size
+
+
+def order_and_segments(words: dict[int, np.ndarray], idx: list[int], dt: Dtype,
+                       split: bool) -> tuple[list[int], list[int]]:
     """Tensor order (by mean exponent, so similar-magnitude tensors are adjacent: LoRA A and B
     matrices differ by ~6 binades) and, if `split`, a cut into two segments at the tensor boundary
-    that best separates the two populations (Otsu on the size-weighted per-tensor mean exponent).
-    `exps`: each tensor's exponents (uint8)."""
-    sizes = {i: exps[i].size for i in idx}
-    means = {i: int(np.add.reduce(exps[i], dtype=np.uint64)) / sizes[i] if sizes[i] else 0.0 for i in idx}
+    that best separates the two populations (Otsu on the size-weighted per-tensor mean exponent)."""
+    sizes = {i: words[i].size for i in idx}
+    means = {i: mean_exponent(words[i], dt) for i in idx}
     order = sorted(idx, key=lambda i: (means[i], i))
     n = sum(sizes.values())
     min_seg = 2 * max(MIN_CLASS_ELEMS, int(n * MIN_CLASS_FRACTION))
@@ -203,8 +216,7 @@ def encode_payload(
         words = np.empty(n, dt.word)
         # Tensor by tensor into one buffer (no group-sized temporaries: they would cost page faults).
         if kind == KIND_KEYFRAME:
-            exps = {i: exponent(cur_parts[i], dt) for i in idx}
-            order, seg_counts = order_and_segments(exps, idx, split=False)
+            order, seg_counts = order_and_segments(cur_parts, idx, dt, split=False)
             off = 0
             for i in order:
                 words[off : off + infos[i][2]] = rotl1(cur_parts[i], dt.bits)
@@ -213,14 +225,12 @@ def encode_payload(
             par_parts = {
                 i: as_words(parent[infos[i][0]], dt, infos[i][2], "parent " + infos[i][0], untrusted=False) for i in idx
             }
-            exps = {i: exponent(par_parts[i], dt) for i in idx}
-            order, seg_counts = order_and_segments(exps, idx, split=max_classes > 1)
+            order, seg_counts = order_and_segments(par_parts, idx, dt, split=max_classes > 1)
             off = 0
             for i in order:
-                d = words[off : off + infos[i][2]]
-                np.subtract(cur_parts[i], par_parts[i], out=d)
-                zigzag_inplace(d, dt.bits)
+                np.subtract(cur_parts[i], par_parts[i], out=words[off : off + infos[i][2]])
                 off += infos[i][2]
+            zigzag_inplace(words, dt.bits)
         header += struct.pack(f"<BI{len(order)}IB", dt.code, len(order), *order, len(seg_counts))
         off = t = 0
         for cnt in seg_counts:
@@ -228,7 +238,7 @@ def encode_payload(
             t += cnt
             w_seg = words[off : off + n_seg]
             seg = order[t - cnt : t]
-            joint = None if kind == KIND_KEYFRAME else bitlen_histogram([exps[i] for i in seg], w_seg)
+            joint = None if kind == KIND_KEYFRAME else bitlen_histogram([par_parts[i] for i in seg], w_seg, dt)
             bounds: list[int] = [] if joint is None else choose_bounds(joint, n_seg, max_classes)
             if bounds:
                 members = gather_classes(w_seg, class_ids([par_parts[i] for i in seg], bounds, dt), len(bounds) + 1)

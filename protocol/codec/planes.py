@@ -35,25 +35,28 @@ def rotr1(w: np.ndarray, bits: int) -> np.ndarray:
     return (w >> w.dtype.type(1)) | (w << w.dtype.type(bits - 1))
 
 
+ZIGZAG_CHUNK = 1 << 18  # the zigzag passes run this many words at a time, with one reusable temporary
+
+
 def zigzag_inplace(d: np.ndarray, bits: int) -> np.ndarray:
     """d: unsigned wrap-around difference -> zigzag code (small |d| -> small code), in place."""
     s = d.view(np.dtype(f"<i{bits // 8}"))
-    sign = s >> s.dtype.type(bits - 1)  # 0 or -1
-    s += s
-    s ^= sign
+    shift = s.dtype.type(bits - 1)
+    sign = np.empty(min(s.size, ZIGZAG_CHUNK), s.dtype)
+    for c0 in range(0, s.size, ZIGZAG_CHUNK):
+        sc, tc = s[c0 : c0 + ZIGZAG_CHUNK], sign[: min(ZIGZAG_CHUNK, s.size - c0)]
+        np.right_shift(sc, shift, out=tc)  # 0 or -1
+        sc += sc
+        sc ^= tc
     return d
 
 
-UNZIGZAG_CHUNK = 1 << 18
-
-
 def unzigzag_inplace(w: np.ndarray) -> np.ndarray:
-    """Zigzag code -> wrap-around difference, in place, UNZIGZAG_CHUNK words at a time (one
-    reusable temporary instead of one per tensor or one the size of the group)."""
+    """Zigzag code -> wrap-around difference, in place, ZIGZAG_CHUNK words at a time."""
     one = w.dtype.type(1)
-    sign = np.empty(min(w.size, UNZIGZAG_CHUNK), w.dtype)
-    for c0 in range(0, w.size, UNZIGZAG_CHUNK):
-        wc = w[c0 : c0 + UNZIGZAG_CHUNK]
+    sign = np.empty(min(w.size, ZIGZAG_CHUNK), w.dtype)
+    for c0 in range(0, w.size, ZIGZAG_CHUNK):
+        wc = w[c0 : c0 + ZIGZAG_CHUNK]
         sc = sign[: wc.size]
         np.bitwise_and(wc, one, out=sc)
         np.negative(sc, out=sc)
