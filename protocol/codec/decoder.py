@@ -177,6 +177,7 @@ def decode_payload(codec, specs, payload, parent, max_raw_bytes) -> dict[str, by
             elif not scatter_classes(words[off : off + seg_n], class_ids(parts[first:last], bounds, dt), streams):
                 raise ProtocolError(RejectCode.HASH_MISMATCH, "class sizes differ from the parent's exponent classes "
                                     "(delta applied to the wrong parent?)")
+            streams = planes = None  # the segment is in `words` now; freed before the output is built
             off += seg_n
         if kind == KIND_DELTA:
             unzigzag_inplace(words)

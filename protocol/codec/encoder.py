@@ -247,14 +247,16 @@ def encode_payload(
             off += n_seg
             header += struct.pack(f"<IB{len(bounds)}H", cnt, len(members), *bounds)
             edges = [0, *bounds, 256]
-            for k, wk in enumerate(members):
+            for k in range(len(members)):
                 # Share of code words of at most one bit in this class (from the histogram: free).
                 rows = None if joint is None else joint[edges[k] : edges[k + 1]]
                 small = None if rows is None else float(rows[:, :2].sum() / max(rows.sum(), 1.0))
+                wk, members[k] = members[k], None  # each class is freed once compressed (bounded peak)
                 layout, fr = compress_class(wk, dt, cctx, try_fields=kind == KIND_DELTA, small_codes=small)
+                del wk
                 header += struct.pack(f"<B{len(fr)}I", layout, *(len(f) for f in fr))
                 frames.extend(fr)
-    return bytes(header) + b"".join(frames)
+    return b"".join([header, *frames])
 
 
 def compressor(level: int) -> zstd.ZstdCompressor:

@@ -14,7 +14,7 @@ partition by class, one zstd pass and one crc32 pass. Two habits keep it that wa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import zstandard as zstd
@@ -142,23 +142,31 @@ class _Lanes:
 
 
 def gather_classes(w: np.ndarray, cls: np.ndarray, nclasses: int) -> list[np.ndarray]:
-    """The elements of each class, in their original order: a stable partition of `w` by `cls`."""
-    pieces: list[list[np.ndarray]] = [[] for _ in range(nclasses)]
+    """The elements of each class, in their original order: a stable partition of `w` by `cls`.
+    The class sizes come first (one uint8 compare and count per class), so each chunk's members are
+    copied once, straight into their class's array (no pieces to concatenate: the peak stays at
+    one copy of the segment)."""
+    out = [np.empty(int(np.count_nonzero(cls == np.uint8(k))), w.dtype) for k in range(nclasses)]
+    pos = [0] * nclasses
     lanes = _Lanes() if nclasses <= LANE_CLASSES else None
     buf = np.empty(CLASS_CHUNK + 1, w.dtype)
     for c0 in range(0, w.size, CLASS_CHUNK):
         cc, wc = cls[c0 : c0 + CLASS_CHUNK], w[c0 : c0 + CLASS_CHUNK]
-        if lanes is None:  # more classes than lanes (max_classes > 4): one flatnonzero per class
+        if lanes is None:  # more classes than lanes (max_classes > 4): one compress per class
             for k in range(nclasses):
-                pieces[k].append(np.take(wc, np.flatnonzero(cc == np.uint8(k))))
+                m = cc == np.uint8(k)
+                c = int(np.count_nonzero(m))
+                np.compress(m, wc, out=out[k][pos[k] : pos[k] + c])
+                pos[k] += c
             continue
         chunk = lanes.counts(cc)[:nclasses]
         buf[lanes.slots(cc.size, chunk)] = wc
         at = 1
         for k, c in enumerate(chunk):
-            pieces[k].append(buf[at : at + c].copy())
+            out[k][pos[k] : pos[k] + c] = buf[at : at + c]
+            pos[k] += c
             at += c
-    return [np.concatenate(p) if p else np.empty(0, w.dtype) for p in pieces]
+    return out
 
 
 def scatter_classes(out: np.ndarray, cls: np.ndarray, streams: Sequence[np.ndarray]) -> bool:
@@ -199,9 +207,12 @@ def plane_sizes(layout: int, n: int, dt: Dtype) -> list[int]:
     return [-(-n * w // 8) if w < 8 else n for w in FIELDS[dt.bits]]
 
 
-def byte_planes(w: np.ndarray, dt: Dtype, first: int = 0) -> list[np.ndarray]:
-    """Bytes first.. of every word as planes, least significant first (casts, not strided copies)."""
-    return [(w >> w.dtype.type(8 * j)).astype(np.uint8) if j else w.astype(np.uint8) for j in range(first, dt.itemsize)]
+def byte_plane(w: np.ndarray, j: int) -> np.ndarray:
+    """Byte j of every word (least significant = 0): a cast, or a shift written straight into the
+    uint8 plane (numpy buffers the cast: no word-sized temporary)."""
+    if not j:
+        return w.astype(np.uint8)
+    return np.right_shift(w, w.dtype.type(8 * j), out=np.empty(w.size, np.uint8), casting="unsafe")
 
 
 def _padded(v: np.ndarray, per: int) -> np.ndarray:
@@ -210,23 +221,35 @@ def _padded(v: np.ndarray, per: int) -> np.ndarray:
 
 
 def pack(w: np.ndarray, layout: int, dt: Dtype) -> list[np.ndarray]:
+    return list(iter_planes(w, layout, dt))
+
+
+def iter_planes(w: np.ndarray, layout: int, dt: Dtype) -> Iterator[np.ndarray]:
+    """The planes of `layout`, one at a time: a caller that compresses each before asking for the
+    next holds one plane (and its temporaries), not all of them."""
     if layout == LAYOUT_BYTES:
-        return byte_planes(w, dt)
+        for j in range(dt.itemsize):
+            yield byte_plane(w, j)
+        return
     lo = w.astype(np.uint8)  # bits 0-7 of every word; the fields are cut from it
-    planes = [np.packbits(lo & np.uint8(1), bitorder="little"),
-              np.packbits((lo >> np.uint8(1)) & np.uint8(1), bitorder="little")]
+    yield np.packbits(lo & np.uint8(1), bitorder="little")
+    yield np.packbits((lo >> np.uint8(1)) & np.uint8(1), bitorder="little")
     # Bits 2-3 of 4 consecutive words into one byte: a little-endian uint32 view holds the 4 fields at
     # bits 0, 8, 16, 24; x | x >> 6 puts field 1 beside field 0 (and 3 beside 2), | >> 12 brings
     # fields 2-3 down, and the cast keeps the low byte.
     x = _padded((lo >> np.uint8(2)) & np.uint8(3), 4).view("<u4")
     x |= x >> np.uint32(6)
     x |= x >> np.uint32(12)
-    planes.append(x.astype(np.uint8))
+    yield x.astype(np.uint8)
+    del x
     # Bits 4-7 of 2 consecutive words, the same way through a uint16 view.
     y = _padded(lo >> np.uint8(4), 2).view("<u2")
+    del lo
     y |= y >> np.uint16(4)
-    planes.append(y.astype(np.uint8))
-    return planes + byte_planes(w, dt, first=1)
+    yield y.astype(np.uint8)
+    del y
+    for j in range(1, dt.itemsize):
+        yield byte_plane(w, j)
 
 
 def unpack(planes: list[bytes], layout: int, n: int, dt: Dtype) -> np.ndarray:
@@ -286,11 +309,11 @@ def compress_class(w: np.ndarray, dt: Dtype, cctx: zstd.ZstdCompressor, try_fiel
             layouts = (LAYOUT_FIELDS,)
         else:
             sample = w[::LAYOUT_SAMPLE_STRIDE]
-            sizes = [sum(len(cctx.compress(p)) for p in pack(sample, lay, dt)) for lay in layouts]
+            sizes = [sum(len(cctx.compress(p)) for p in iter_planes(sample, lay, dt)) for lay in layouts]
             layouts = (layouts[int(np.argmin(sizes))],)
     best = None
     for layout in layouts:
-        frames = [cctx.compress(p) for p in pack(w, layout, dt)]
+        frames = [cctx.compress(p) for p in iter_planes(w, layout, dt)]
         size = sum(len(f) for f in frames)
         if best is None or size < best[0]:
             best = (size, layout, frames)
