@@ -1,11 +1,16 @@
 """Walking skeleton, end to end: a real coordinator and two real volunteers over hivemind on loopback.
 
 The test asserts that both volunteers contributed, so it says so: `--wait-for-volunteers 2` holds every
-lease and the first step until both are in (otherwise the first one up may do all 12 steps alone)."""
+lease and the first step until both are in (otherwise the first one up may do all 12 steps alone). Being
+in is not having a batch trained, though: nothing makes the second volunteer's first batch arrive within
+any fixed number of steps, so the run has no --max-steps. The test waits for the condition itself — 12
+steps, and a trained batch and two adapter versions loaded on each volunteer — then stops the coordinator
+as an operator does (SIGTERM: final checkpoint and summary.json)."""
 
 from __future__ import annotations
 
 import json
+import signal
 import urllib.request
 
 import pytest
@@ -19,10 +24,27 @@ def _tail(path, n=3000):
     return path.read_text()[-n:] if path.exists() else "(no log)"
 
 
+def _status(path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _trained_by_both(run, tmp_path) -> bool:
+    """>= 12 steps, each volunteer's batches in at least one of them, >= 2 adapter versions loaded by each."""
+    path = run / "metrics.jsonl"
+    events = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []
+    steps = [e for e in events if e["event"] == "step"]
+    return (len(steps) >= 12 and {c for e in steps for c in e["clients"]} == {"vol-0", "vol-1"}
+            and all(len(set(_status(tmp_path / f"c{i}" / "status.json").get("versions_loaded") or [])) >= 2
+                    for i in range(2)))
+
+
 def test_two_volunteers_train_the_tiny_model(procs, tmp_path):
     run = tmp_path / "run"
     coord = procs.start("coordinator", ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny",
-                                        "--run-dir", str(run), "--max-steps", "12", "--threads", "1",
+                                        "--run-dir", str(run), "--max-steps", "0", "--threads", "1",
                                         "--groups-per-step", "4", "--max-wait-s", "2", "--wait-for-volunteers", "2"])
     join = wait_for_join(run)
     assert join.startswith("/ip4/127.0.0.1/tcp/") and "/p2p/12D3KooW" in join
@@ -34,17 +56,17 @@ def test_two_volunteers_train_the_tiny_model(procs, tmp_path):
                                            "--data-dir", str(tmp_path / f"c{i}"), "--seed", str(i),
                                            "--threads", "1"]) for i in range(2)]
     try:
-        coord.wait(timeout=400)
-    except Exception:
-        pytest.fail("coordinator did not finish:\n" + _tail(coord.log_path) + "\n" +
-                    "\n".join(_tail(c.log_path) for c in clients))
-    assert coord.returncode == 0, _tail(coord.log_path)
+        wait_for(lambda: _trained_by_both(run, tmp_path), 400, "12 steps with a trained batch from each volunteer")
+    except AssertionError as exc:
+        pytest.fail(f"{exc}:\n" + _tail(coord.log_path) + "\n" + "\n".join(_tail(c.log_path) for c in clients))
+    coord.send_signal(signal.SIGTERM)  # the operator stops it: final checkpoint + summary.json
+    assert coord.wait(120) == 0, _tail(coord.log_path)
     for c in clients:
         procs.signal(c, 15)
     for c in clients:
         c.wait(60)
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["trainer_steps"] == 12
+    assert summary["trainer_steps"] >= 12
     assert summary["adapter_versions_published"] >= 3
     assert summary["lora_delta_norm"] > 0, "the LoRA parameters did not change"
     assert set(summary["batches_by_client"]) == {"vol-0", "vol-1"}
