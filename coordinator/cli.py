@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-idle-retry-s", type=float, default=d.max_idle_retry_s, help="...at most this long")
     run.add_argument("--publish-every", type=int, default=d.publish_every)
     run.add_argument("--publish-dtype", default=d.publish_dtype, choices=["bf16", "fp16", "fp32"])
+    run.add_argument("--chunk-bytes", type=int, metavar="BYTES",
+                     help=f"adapter chunk size on the P2P streams, 4 KiB to 4 MiB (default {d.chunk_bytes})")
     run.add_argument("--host", default=d.host, help="IP to listen on (0.0.0.0 for all interfaces)")
     run.add_argument("--port", type=int, default=d.port, help="TCP port for libp2p (0 = any free port)")
     run.add_argument("--announce", action="append", default=[], help="multiaddr to announce (repeatable)")

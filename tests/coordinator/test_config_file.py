@@ -43,6 +43,13 @@ def test_flags_left_unset_do_not_override_the_file():
     assert cfg.port == 31337 and cfg.announce == ("/ip4/203.0.113.5/tcp/31337",) and cfg.dashboard is False
 
 
+def test_chunk_bytes_flag_sets_the_adapter_chunk_size_within_its_bounds():
+    assert resolve_config({"chunk_bytes": 65536}, cli("--chunk-bytes", "4096")).chunk_bytes == 4096
+    assert resolve_config({"chunk_bytes": 65536}, cli()).chunk_bytes == 65536
+    with pytest.raises(ConfigError):
+        resolve_config({}, cli("--chunk-bytes", "100"))
+
+
 def test_negative_means_none_for_optional_fields_in_files_and_flags():
     assert resolve_config({"max_staleness": -1}).max_staleness is None
     assert resolve_config({}, cli("--max-staleness", "-1")).max_staleness is None

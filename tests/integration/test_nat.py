@@ -27,6 +27,7 @@ import os
 import pytest
 
 from tests.conftest import REPO, wait_for
+from tests.integration.lab import alive
 
 pytestmark = pytest.mark.integration
 
@@ -81,12 +82,12 @@ def test_volunteers_behind_nat_join_in_client_mode_and_swap_chunks_through_a_rel
     ns = build(lab, tmp_path)
     exec_in = lambda name: ("ip", "netns", "exec", ns[name])  # noqa: E731
     run = tmp_path / "run"
-    procs.start("coordinator", ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny", "--run-dir", str(run),
+    coordinator = procs.start("coordinator", ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny", "--run-dir", str(run),
                                 "--run-id", "nat", "--host", "10.77.0.2", "--port", str(PORT), "--max-steps", "0",
                                 "--threads", "1", "--no-dashboard", "--checkpoint-every", "0", "--chunk-bytes", "4096"],
                 prefix=exec_in("coord"))
-    join = wait_for(lambda: (run / "join.txt").exists() and (run / "join.txt").read_text().strip(), 240,
-                    "the coordinator's join address")
+    join = wait_for(lambda: (alive(coordinator), (run / "join.txt").exists() and (run / "join.txt").read_text().strip())[1],
+                    240, "the coordinator's join address")
     assert "/ip4/10.77.0.2/" in join
 
     vc = tmp_path / "vc"
