@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="auto = vLLM when CUDA and vllm are present, else transformers (says why)")
     join.add_argument("--gpu-memory-utilization", type=float, default=0.85,
                       help="fraction of GPU memory vLLM may use (lower it if other programs need the GPU)")
+    join.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
+                      help="cap the engine's context (prompt + completion) below the model's, e.g. to fit a small "
+                           "GPU; leases that do not fit are skipped, never sent short")
     join.add_argument("--max-outbox-mb", type=int, default=512, help="disk cap for unacknowledged batches")
     join.add_argument("--duty-cycle", type=float, default=1.0, metavar="F",
                       help="lend only part of the machine: after each batch rest so that busy time / wall time "
@@ -143,14 +146,14 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(args.threads)
     from .engine import EngineUnavailable
-    from .worker import BaseModelMismatch, Volunteer, VolunteerConfig
+    from .worker import BaseModelMismatch, EngineFailed, Volunteer, VolunteerConfig
 
     cfg = VolunteerConfig(address=args.address[0], more_addresses=tuple(args.address[1:]), data_dir=args.data_dir, name=args.name, model=args.model,
                           max_batches=args.max_batches, prompts_per_batch=args.prompts_per_batch,
                           client_mode=args.client_mode, seed=args.seed, quiet=args.quiet, engine=args.engine,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           max_outbox_bytes=args.max_outbox_mb * 1024 * 1024,
-                          duty_cycle=args.duty_cycle, hold_version=args.hold_version,
+                          duty_cycle=args.duty_cycle, hold_version=args.hold_version, max_model_len=args.max_model_len,
                           display="quiet" if args.quiet else "json" if args.json_logs else "live", **swarm)
     try:
         vol = Volunteer(cfg)
@@ -176,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"{exc.code.value}: {exc.detail}")
     except KeyboardInterrupt:
         return fail("aborted; unsent batches stay in the outbox", 130)
-    except (BaseModelMismatch, EngineUnavailable) as exc:
+    except (BaseModelMismatch, EngineUnavailable, EngineFailed) as exc:
         return fail(str(exc))
     except Exception as exc:
         if exc.__class__.__name__ == "OutOfMemoryError":

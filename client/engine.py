@@ -41,11 +41,14 @@ class TransformersEngine:
     name = "transformers"
 
     def __init__(self, model: str, lora: LoraSpec, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 seed: int = 0):
+                 seed: int = 0, max_model_len: int | None = None):
         from asyncrl.models.lora import load_base_model, with_lora
 
         base, self.tokenizer = load_base_model(model, dtype=dtype)
         self.model = with_lora(base, lora).to(device).eval()
+        context = getattr(base.config, "max_position_embeddings", None)
+        # prompt + completion tokens this engine serves (the volunteer skips leases beyond it)
+        self.context_limit: int | None = min(x for x in (context, max_model_len) if x) if (context or max_model_len) else None
         self.device = device
         self.dtype = dtype
         self.version: int | None = None
@@ -149,7 +152,7 @@ def vllm_status() -> tuple[bool, str]:
 
 
 def make_engine(kind: str, model: str, lora: LoraSpec, *, gpu_memory_utilization: float = 0.85, seed: int = 0,
-                max_staleness: int = 4, out=print) -> Engine:
+                max_staleness: int = 4, max_model_len: int | None = None, out=print) -> Engine:
     """`auto` → vLLM when CUDA and vllm are present, else transformers (saying why)."""
     if kind not in ("auto", "vllm", "transformers"):
         raise EngineUnavailable(f"unknown engine {kind!r}; choose auto, vllm or transformers")
@@ -167,10 +170,10 @@ def make_engine(kind: str, model: str, lora: LoraSpec, *, gpu_memory_utilization
             from .engine_vllm import VLLMEngine
 
             return VLLMEngine(model, lora, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
-                              max_staleness=max_staleness)
+                              max_staleness=max_staleness, max_model_len=max_model_len)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        return TransformersEngine(model, lora, device=device, dtype=dtype, seed=seed)
+        return TransformersEngine(model, lora, device=device, dtype=dtype, seed=seed, max_model_len=max_model_len)
     except torch.cuda.OutOfMemoryError as exc:
         raise EngineUnavailable(out_of_memory_hint(gpu_memory_utilization)) from exc
 

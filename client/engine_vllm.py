@@ -66,6 +66,7 @@ class VLLMEngine:
                        gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
                        enforce_eager=enforce_eager, **llm_kwargs)
         model_config = self.llm.llm_engine.model_config
+        self.context_limit: int = model_config.max_model_len  # prompt + completion tokens (the volunteer checks)
         self.dtype: torch.dtype = model_config.dtype
         self._vocab_size: int = model_config.get_vocab_size()
         self.tokenizer = AutoTokenizer.from_pretrained(model)  # plain HF tokenizer, as TransformersEngine has

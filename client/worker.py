@@ -23,16 +23,18 @@ from pathlib import Path
 
 import numpy as np
 
-from asyncrl.protocol import envelope, messages
+from asyncrl.protocol import envelope, limits, messages
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import Identity
 from asyncrl.swarm import streams
 from asyncrl.swarm.streams import stream_name
 
-# Test-only fault injection (hivemind-style): ASYNCRL_FAULT=pause-after-spool makes the volunteer stop
+# Test-only fault injection (hivemind-style): ASYNCRL_FAULT=slow-generate:S makes each work take S seconds
+# more (a slow GPU); ASYNCRL_FAULT=pause-after-spool makes the volunteer stop
 # between writing a batch to the outbox and uploading it, so a test can SIGKILL it at exactly that point.
 FAULT = os.environ.get("ASYNCRL_FAULT", "")
 MAX_BACKOFF_S = 30.0
+ENGINE_FAILURE_STREAK = 3  # works in a row in which the engine served no lease at all: the engine is broken
 
 # Codes after which re-sending the same bytes can never succeed: drop the spooled copy.
 FINAL_REJECTS = {c.value for c in RejectCode} - {RejectCode.RATE_LIMITED.value, RejectCode.INTERNAL.value}
@@ -55,6 +57,7 @@ class VolunteerConfig:
     display: str = "plain"  # live | plain | json | quiet
     max_outbox_bytes: int = 512 * 1024 * 1024
     duty_cycle: float = 1.0  # 0 < F <= 1: rest after each batch so busy / wall ~ F (client/pacing.py)
+    max_model_len: int | None = None  # cap the engine's context (prompt + completion); None = the model's
     hold_version: int = 0  # EXPERIMENT-ONLY: generate with the adapter K versions behind (client/version_hold.py)
     # swarm (client/swarm_member.py, docs/transport.md)
     coordinator: str | None = None  # coordinator peer id when `address` is another peer's (bootstrap only)
@@ -84,6 +87,16 @@ class VolunteerStatus:
     busy_s: float = 0.0    # measured batch work time (--duty-cycle accounting)
     rested_s: float = 0.0  # time rested for the duty cycle
     idle_lease_requests: int = 0  # lease requests answered with no work (client/pacing.py IdleBackoff)
+    lease_renewals: int = 0   # renewal requests answered while generating (client/lease_keeper.py)
+    leases_abandoned: int = 0  # leases given up (their groups not sent), of which:
+    leases_too_long: int = 0   #   prompt + max_new_tokens beyond this engine's context
+    engine_errors: int = 0     #   the engine raised on that prompt
+    reward_errors: int = 0     #   the reward function raised or returned something unusable
+    leases_lost: int = 0       #   the coordinator said it had expired
+
+
+class EngineFailed(RuntimeError):
+    """The engine failed every lease of several works in a row: it is broken, not one prompt."""
 
 
 class BaseModelMismatch(RuntimeError):
@@ -183,7 +196,8 @@ class Volunteer:
                                    f"the coordinator's ({manifest.base_revision}); refusing to serve it")
             model = str(path)
         self.engine = make_engine(self.cfg.engine, model, manifest.lora, seed=self.cfg.seed,
-                                  gpu_memory_utilization=self.cfg.gpu_memory_utilization, out=self.out)
+                                  gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+                                  max_model_len=self.cfg.max_model_len, out=self.out)
         self.model_name = model
 
     # ---- main loop --------------------------------------------------------------------------
@@ -283,25 +297,97 @@ class Volunteer:
                                     adapter_version=self.serving_version, client_name=self.name)
         sealed = envelope.seal(self.identity, "lease_request", messages.encode(req), audience=self.coordinator_key)
         raw = self.node.call(self.coordinator_peer_id, stream_name(self.run_id, streams.LEASE), sealed,
-                             max_response_bytes=4 << 20)
-        grant = messages.decode(raw, messages.LeaseGrant, max_bytes=4 << 20)
+                             max_response_bytes=limits.MAX_LEASE_GRANT_BYTES)
+        grant = messages.decode(raw, messages.LeaseGrant, max_bytes=limits.MAX_LEASE_GRANT_BYTES)
         self.latest_version = grant.current_version
         return list(grant.leases), grant.retry_after_s
+
+    def _renew(self, lease_ids: list[str]) -> dict[str, float]:
+        """One renewal-only lease request (client/lease_keeper.py): seconds left per lease id."""
+        req = messages.LeaseRequest(run_id=self.run_id, max_prompts=0, adapter_version=self.serving_version,
+                                    client_name=self.name, renew=tuple(lease_ids))
+        sealed = envelope.seal(self.identity, "lease_request", messages.encode(req), audience=self.coordinator_key)
+        raw = self.node.call(self.coordinator_peer_id, stream_name(self.run_id, streams.LEASE), sealed,
+                             max_response_bytes=limits.MAX_LEASE_GRANT_BYTES)
+        grant = messages.decode(raw, messages.LeaseGrant, max_bytes=limits.MAX_LEASE_GRANT_BYTES)
+        return {r.lease_id: r.expires_in_s for r in grant.renewed}
+
+    def _abandon(self, lease: messages.TaskLease, why: str, *, counter: str) -> None:
+        """Give up one lease and go on with the rest: its group is not sent, the lease is not renewed (it
+        expires and the prompt goes to someone else)."""
+        setattr(self.status, counter, getattr(self.status, counter) + 1)
+        self.status.leases_abandoned += 1
+        self.display.event("warning", f"[{self.name}] lease {lease.lease_id} (prompt {lease.prompt_id}) "
+                           f"abandoned: {why}", code=counter)
+
+    def _generate(self, leases: list[messages.TaskLease], group_size: int, sampling) -> list[tuple]:
+        """(lease, samples) for every lease the engine could serve. A lease whose prompt plus max_new_tokens
+        does not fit this engine's context is not tried (a shorter completion would be refused); an engine
+        error is retried lease by lease, so one bad prompt costs its own lease, never the others or the
+        volunteer. Only an engine that fails every lease of ENGINE_FAILURE_STREAK works in a row stops us."""
+        limit = getattr(self.engine, "context_limit", None)
+        todo = []
+        for lease in leases:
+            n = len(lease.prompt_token_ids) // 4
+            if limit is not None and n + sampling.max_new_tokens > limit:
+                self._abandon(lease, f"prompt of {n} tokens + max_new_tokens {sampling.max_new_tokens} exceeds "
+                              f"this engine's context of {limit} tokens", counter="leases_too_long")
+            else:
+                todo.append(lease)
+        if not todo:
+            return []
+        prompts = [np.frombuffer(l.prompt_token_ids, dtype="<i4").tolist() for l in todo]
+        try:
+            done = list(zip(todo, self.engine.generate(prompts, group_size, sampling)))
+            self._engine_failures = 0
+            return done
+        except Exception as exc:  # noqa: BLE001 - any engine error: find the lease it belongs to
+            first = exc
+        done = []
+        if len(todo) == 1:
+            self._abandon(todo[0], f"engine error: {first.__class__.__name__}: {str(first)[:300]}",
+                          counter="engine_errors")
+        else:
+            for lease, prompt in zip(todo, prompts):
+                try:
+                    done.append((lease, self.engine.generate([prompt], group_size, sampling)[0]))
+                except Exception as exc:  # noqa: BLE001
+                    self._abandon(lease, f"engine error: {exc.__class__.__name__}: {str(exc)[:300]}",
+                                  counter="engine_errors")
+        self._engine_failures = 0 if done else getattr(self, "_engine_failures", 0) + 1
+        if self._engine_failures >= ENGINE_FAILURE_STREAK:
+            raise EngineFailed(f"the engine failed every lease of {self._engine_failures} works in a row; last "
+                               f"error: {first.__class__.__name__}: {str(first)[:300]}") from first
+        return done
 
     def _work(self, leases: list[messages.TaskLease]) -> None:
         from asyncrl import tasks
 
+        from .lease_keeper import LeaseKeeper
+
         sampling = leases[0].sampling
         group_size = leases[0].group_size
-        prompts = [np.frombuffer(l.prompt_token_ids, dtype="<i4").tolist() for l in leases]
         version = self.serving_version
-        samples = self.engine.generate(prompts, group_size, sampling)
+        with LeaseKeeper(self._renew, leases) as keeper:
+            if FAULT.startswith("slow-generate:"):  # test-only: an honest but slow GPU (tests/integration/test_long_work.py)
+                self.stop.wait(float(FAULT.split(":", 1)[1]))
+            generated = self._generate(leases, group_size, sampling)
+        self.status.lease_renewals += keeper.renewals
         groups = []
-        for lease, group in zip(leases, samples):
+        for lease, group in generated:
+            if lease.lease_id in keeper.lost:
+                self._abandon(lease, "the coordinator no longer holds it for us (expired)", counter="leases_lost")
+                continue
+            texts = [self.engine.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in group]
+            prompt = tasks.Prompt(lease.prompt_id, lease.prompt, lease.answer, lease.reward, lease.columns)
+            try:  # the coordinator re-scores with this same call (coordinator/ingest.py)
+                scored = tasks.score_group(prompt, texts, [s.token_ids for s in group]).rewards
+            except Exception as exc:  # noqa: BLE001 - a broken reward costs its group, not the volunteer
+                self._abandon(lease, f"reward {lease.reward!r} failed: {exc.__class__.__name__}: {str(exc)[:300]}",
+                              counter="reward_errors")
+                continue
             comps = []
-            for s in group:
-                text = self.engine.tokenizer.decode(s.token_ids, skip_special_tokens=True)
-                reward = tasks.score(lease.reward, text, lease.answer)
+            for s, reward in zip(group, scored):
                 comps.append(messages.Completion(
                     token_ids=np.asarray(s.token_ids, dtype="<i4").tobytes(),
                     logprobs=np.asarray(s.logprobs, dtype="<f4").tobytes(), reward=reward,
@@ -311,6 +397,8 @@ class Volunteer:
                 self.status.reward_sum += reward
             groups.append(messages.RolloutGroup(lease_id=lease.lease_id, prompt_id=lease.prompt_id,
                                                 prompt_token_ids=lease.prompt_token_ids, completions=tuple(comps)))
+        if not groups:
+            return
         batch = messages.RolloutBatch(run_id=self.run_id, adapter_version=version, client_name=self.name,
                                       sampling=sampling, groups=tuple(groups), generated_at=time.time())
         payload = messages.encode(batch)

@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--prompts-per-lease", type=int, default=d.prompts_per_lease)
     run.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     run.add_argument("--lease-timeout-s", type=float, default=d.lease_timeout_s)
+    run.add_argument("--lease-max-s", type=float, default=d.lease_max_s,
+                     help="renewals keep a lease for at most this long after its grant (0 = no renewals)")
     run.add_argument("--max-inflight-groups", type=int, default=d.max_inflight_groups,
                      help="back-pressure bound on leased + queued groups (0 = 2 x --groups-per-step)")
     run.add_argument("--new-key-share", type=float, default=d.new_key_share,
@@ -83,8 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--keep-checkpoints", type=int, help=f"newest checkpoints kept (default {d.keep_checkpoints})")
     ckpt.add_argument("--task-prompt-field", help="prompt field of JSONL / HF records (default 'prompt')")
     ckpt.add_argument("--task-answer-field", help="answer field of JSONL / HF records (default 'answer')")
-    ckpt.add_argument("--task-reward", help="reward for records without a 'reward' field (default 'exact')")
+    ckpt.add_argument("--task-reward", help="reward for records without a 'reward' field: a name or a weighted "
+                                            "sum 'accuracy+0.5*format' (default 'exact')")
+    ckpt.add_argument("--reward-weights", type=float, nargs="+", help="one weight per --task-reward name (TRL's "
+                                                                      "reward_weights; default 1.0 each)")
     ckpt.add_argument("--chat-template", choices=["auto", "on", "off"], help="template dataset prompts (default auto)")
+    ckpt.add_argument("--task-system-prompt", help="system message before each plain dataset prompt (templated)")
+    ckpt.add_argument("--oversized-records", choices=["error", "skip"],
+                      help="a record too long for the model's context minus --max-new-tokens: stop (default) "
+                           "or skip and count it")
     loss = run.add_argument_group("loss (coordinator/loss.py names each variant and its source)")
     loss.add_argument("--loss-type", default=d.loss.loss_type, choices=["grpo", "dr_grpo", "dapo"])
     loss.add_argument("--correction", default=d.loss.correction, choices=["clip", "tis-token", "tis-sequence", "none"],
@@ -156,11 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.swarm.transport import TransportError
 
     from .checkpoint import CheckpointError
+    from .preflight import PreflightError
 
     try:
         coord.start()
         summary = coord.run()
-    except (CheckpointError, TaskSourceError) as exc:
+    except (CheckpointError, TaskSourceError, PreflightError) as exc:
         print(f"asyncrl-coordinator: {exc}", file=sys.stderr)
         return 2
     except TransportError as exc:

@@ -16,6 +16,16 @@ from .loss import LossConfig
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def _reward_problem(cfg) -> str | None:
+    from asyncrl.tasks.rewards import RewardError
+
+    try:
+        cfg.reward_spec()
+    except RewardError as exc:
+        return str(exc)
+    return None
+
+
 class ConfigError(ValueError):
     pass
 
@@ -60,10 +70,19 @@ class CoordinatorConfig:
     """Field holding the prompt in JSONL / Hugging Face task records."""
     task_answer_field: str = "answer"
     """Field holding the reference answer in JSONL / Hugging Face task records."""
-    task_reward: str = "exact"
-    """Reward for dataset records that do not name one in a "reward" field."""
+    task_reward: str | tuple[str, ...] = "exact"
+    """Reward for dataset records that do not name one in a "reward" field: a name, a list of names (TRL's
+    reward_funcs, summed) or a weighted sum "accuracy+0.5*format" (tasks/rewards.py; docs/researcher.md)."""
+    reward_weights: tuple[float, ...] = ()
+    """One weight per task_reward name, as TRL's reward_weights (empty = 1.0 each)."""
     chat_template: str = "auto"
-    """Wrap dataset prompts in the tokenizer's chat template: auto (when it has one), on, off."""
+    """Wrap dataset prompts in the tokenizer's chat template: auto (when it has one), on, off. Conversational
+    prompts (lists of {"role", "content"} messages) need a template."""
+    task_system_prompt: str = ""
+    """A system message put before each plain-string dataset prompt when it is templated ("" = none)."""
+    oversized_records: Literal["error", "skip"] = "error"
+    """A record whose prompt does not leave max_new_tokens of the model's context (or whose columns are
+    too big for a lease) stops the start naming it ("error"), or is left out and counted ("skip")."""
     seed: int = 0
     """Seeds the LoRA initialisation and the task's prompt order."""
 
@@ -143,7 +162,10 @@ class CoordinatorConfig:
     temperature: float = 1.0
     """Sampling temperature volunteers use (the learner scores under the same temperature)."""
     lease_timeout_s: float = 60.0
-    """A lease not returned within this many seconds expires and its prompt goes to someone else."""
+    """A lease not returned (or renewed) within this many seconds expires and its prompt goes to someone else."""
+    lease_max_s: float = 3600.0
+    """Volunteers renew the leases they are working on (coordinator/taskboard.py): each renewal restarts
+    lease_timeout_s, but a lease never lives longer than this after its grant (0 = no renewals)."""
     max_inflight_groups: int = 0
     """Back-pressure: stop granting leases while leased-but-unreturned plus queued-but-untrained groups
     reach this. Keeps volunteers from racing ahead of the learner (whose backlog would only go stale);
@@ -274,6 +296,9 @@ class CoordinatorConfig:
             (1 <= self.max_new_tokens <= 32768, "max_new_tokens must be in [1, 32768]"),
             (self.temperature > 0, "temperature must be > 0"),
             (self.lease_timeout_s > 0, "lease_timeout_s must be > 0"),
+            (self.lease_max_s == 0 or self.lease_max_s >= self.lease_timeout_s,
+             "lease_max_s must be 0 (no renewals) or >= lease_timeout_s"),
+            (_reward_problem(self) is None, f"task_reward: {_reward_problem(self)}"),
             (self.max_inflight_groups == 0 or self.max_inflight_groups >= self.groups_per_step,
              "max_inflight_groups must be 0 (auto) or >= groups_per_step"),
             (0.0 <= self.new_key_share <= 1.0, "new_key_share must be in [0, 1]"),
@@ -312,6 +337,20 @@ class CoordinatorConfig:
     def inflight_groups(self) -> int:
         """max_inflight_groups resolved (0 = 2 x groups_per_step)."""
         return self.max_inflight_groups or 2 * self.groups_per_step
+
+    def reward_spec(self) -> str:
+        """task_reward + reward_weights as one canonical reward spec (tasks/rewards.py; names unresolved)."""
+        from asyncrl.tasks.rewards import RewardError, format_spec, parse_spec
+
+        if isinstance(self.task_reward, str):
+            if self.reward_weights:
+                terms = parse_spec(self.task_reward)
+                if any(t.weight != 1.0 for t in terms):
+                    raise RewardError("give weights either in task_reward ('a+0.5*b') or in reward_weights, not both")
+                return format_spec([t.name for t in terms], self.reward_weights)
+            return format_spec([t.name for t in parse_spec(self.task_reward)],
+                               [t.weight for t in parse_spec(self.task_reward)])
+        return format_spec(self.task_reward, self.reward_weights or None)
 
     def learner_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `Learner` / `make_learner` (rank 0 and every DDP follower use the same)."""

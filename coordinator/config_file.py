@@ -131,6 +131,9 @@ def _coerce(key: str, value: Any, hint: Any, source: str) -> Any:
         if value is None or (type(None) in args and isinstance(value, (int, float)) and not isinstance(value, bool)
                              and value < 0):
             return None
+        for alt in inner[1:]:  # e.g. `str | tuple[str, ...]`: a list goes to the tuple alternative
+            if isinstance(value, (list, tuple)) and typing.get_origin(alt) is tuple:
+                return _coerce(key, value, alt, source)
         return _coerce(key, value, inner[0], source)
     if origin is typing.Literal:
         if value not in args:

@@ -325,17 +325,17 @@ def rescore_group(tokenizer, group: messages.RolloutGroup, lease, batch: message
     if any(len(a) > batch.sampling.max_new_tokens for a in arrays):
         raise ProtocolError(RejectCode.MALFORMED, "completion longer than max_new_tokens")
     floors = bounds.lower_bounds(arrays) if bounds is not None else [0] * len(arrays)
-    comps, lps, rewards = [], [], []
-    for c, arr, floor in zip(group.completions, arrays, floors):
-        toks = arr.tolist()
-        if bounds is not None and tasks.impossible(reward, floor, answer):
-            expected = 0.0
-        else:
-            expected = tasks.score(reward, tokenizer.decode(toks, skip_special_tokens=True), answer)
+    comps = [a.tolist() for a in arrays]
+    hopeless = [bounds is not None and tasks.impossible(reward, floor, answer) for floor in floors]
+    if any(hopeless):  # only `exact`, a simple reward scored one completion at a time: skip the hopeless ones
+        rewards = [0.0 if h else tasks.score(reward, tokenizer.decode(t, skip_special_tokens=True), answer)
+                   for h, t in zip(hopeless, comps)]
+    else:  # the volunteer scored with this same call (client/worker.py): one group, its texts, its ids
+        rewards = tasks.score_group(lease.prompt, [tokenizer.decode(t, skip_special_tokens=True) for t in comps],
+                                    comps).rewards
+    for c, expected in zip(group.completions, rewards):
         if abs(expected - c.reward) > REWARD_TOLERANCE:
             raise ProtocolError(RejectCode.REWARD_MISMATCH, f"claimed {c.reward:.4f}, recomputed {expected:.4f}")
-        comps.append(toks)
-        lps.append(c.logprob_array().tolist())  # float32 already (protocol/messages.py)
-        rewards.append(expected)
+    lps = [c.logprob_array().tolist() for c in group.completions]  # float32 already (protocol/messages.py)
     return TrainGroup(prompt_ids, comps, lps, rewards, batch.adapter_version, batch.sampling.temperature,
                       batch.client_name)

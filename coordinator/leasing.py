@@ -23,6 +23,9 @@ then by when they started waiting); the one at place p is told `idle_retry_s * (
 `max_idle_retry_s` (stretched so that the whole line asks at most `max_idle_polls_per_s` times a second).
 The front of the line asks again soon and gets the next free room; the back costs almost nothing.
 
+Renewals ride on the same request (`LeaseRequest.renew`, TaskBoard.renew): they are answered before any
+grant, and a request for 0 prompts only renews (it never joins the idle line).
+
 No network here: `handle(request_bytes, peer)` takes the bytes a P2P handler read and returns the
 bytes to answer, so tests drive it in-process with sealed envelopes (tests/coordinator/test_leasing.py).
 Unattributable garbage (no valid signature) is charged to the transport peer.
@@ -189,12 +192,18 @@ class LeaseDesk:
         if req.run_id != p.run_id:
             raise ProtocolError(RejectCode.WRONG_RUN, f"this coordinator runs {p.run_id!r}")
         version = self.current_version()
+        renewed = tuple(messages.LeaseRenewal(lid, left)
+                        for lid, left in self.board.renew(req.renew, opened.signer).items()) if req.renew else ()
         want = min(req.max_prompts, p.prompts_per_lease)
         retry_after = 0.0
-        waiting = self.quorum is not None and not self.quorum.admit(opened.signer, req.client_name)
+        renewal_only = want <= 0  # a renewal only: no grant, no place in the idle line, no quorum vote
+        waiting = (not renewal_only and self.quorum is not None
+                   and not self.quorum.admit(opened.signer, req.client_name))
         if waiting:  # still short of --wait-for-volunteers: an empty grant for everyone; ask again soon
             want, retry_after = 0, p.idle_retry_s
-        if self.sync_round is not None:  # one grant per live volunteer per version, no back-pressure needed
+        if renewal_only:
+            grants = []
+        elif self.sync_round is not None:  # one grant per live volunteer per version, no back-pressure needed
             grants = self.sync_round.lease(opened.signer, req.adapter_version, version, want)
         elif waiting:
             grants = []  # no place in the fair-share line yet: nobody is leased anything before the quorum
@@ -214,11 +223,12 @@ class LeaseDesk:
         leases = tuple(messages.TaskLease(
             lease_id=g.lease_id, prompt_id=g.prompt.prompt_id, prompt=g.prompt.text,
             prompt_token_ids=g.prompt_token_ids, answer=g.prompt.answer,
-            reward=g.prompt.reward, group_size=p.group_size, sampling=sampling, expires_at=g.expires_at)
+            reward=g.prompt.reward, group_size=p.group_size, sampling=sampling, expires_at=g.expires_at,
+            columns=g.prompt.columns)
             for g in grants)
         self.ingest.note_client(opened.signer, req.client_name)
         return messages.encode(messages.LeaseGrant(run_id=p.run_id, leases=leases, current_version=version,
-                                                   retry_after_s=retry_after))
+                                                   retry_after_s=retry_after, renewed=renewed))
 
 
 def int32_bytes(ids) -> bytes:

@@ -142,13 +142,20 @@ class Coordinator:
 
         self.learner = make_learner(path, self.lora, **cfg.learner_kwargs())  # device, dtype, micro-batches...
         self.initial_lora = self.learner.lora_parameters()
-        from asyncrl.tasks.sources import open_source
+        from . import preflight
 
-        source = open_source(cfg.task, seed=cfg.seed, tokenizer=self.learner.tokenizer, chat_template=cfg.chat_template,
-                             prompt_field=cfg.task_prompt_field, answer_field=cfg.task_answer_field,
-                             default_reward=cfg.task_reward)
+        source = preflight.open_task(cfg, self.learner.tokenizer, self.learner.model.config)  # checked whole
+        self.task_report = source.report
+        if source.report is not None:
+            r = source.report
+            self.log.write("task_source", records=r.records, skipped=r.skipped, skipped_long=r.skipped_long,
+                           skipped_columns=r.skipped_columns, longest_prompt_tokens=r.longest_prompt_tokens,
+                           examples=r.examples)
+            self.out(f"task {cfg.task}: {r.records} records, longest prompt {r.longest_prompt_tokens} tokens"
+                     + (f"; skipped {r.skipped} too large (first: {r.examples[0]})" if r.skipped else ""))
         self.board = TaskBoard(source, lease_timeout_s=cfg.lease_timeout_s,
-                               max_leases_per_client=cfg.max_leases_per_client)
+                               max_leases_per_client=cfg.max_leases_per_client,
+                               lease_max_s=cfg.lease_max_s or cfg.lease_timeout_s)
         self.journal = IngestJournal(self.run_dir / "journal")
         from .access import AccessControl, AccessPolicy
         from .audit import Auditor
@@ -353,6 +360,7 @@ class Coordinator:
             "reward_last": mean([b.reward_mean for b in log[-k:]]),
             "lora_delta_norm": delta,
             **self._lease_books(),
+            "task": dataclasses.asdict(self.task_report) if getattr(self, "task_report", None) else None,
             "wall_s": time.time() - self.t0,
             "torch_threads": torch.get_num_threads(),
             "presence": self.presence(),  # each volunteer's announced adapter version and lag

@@ -2,7 +2,9 @@
 
 The coordinator chooses prompts (volunteers cannot cherry-pick easy ones). A lease expires after
 `lease_timeout_s`; its prompt then goes back to the front of the queue and is leased to someone else
-("re-leased"). Invariant, checked by `balanced()` (and written into summary.json): every lease grant
+("re-leased"). A volunteer still working renews its leases (`renew`, carried by a LeaseRequest): each
+renewal restarts the timeout, up to `lease_max_s` after the grant, so a slow honest group is not lost
+to expiry while a vanished volunteer's prompts still come back after one timeout. Invariant, checked by `balanced()` (and written into summary.json): every lease grant
 is outstanding, completed (its group was accepted) or expired; every expired lease's prompt was
 re-leased or still waits in the requeue; every completed group was trained, explicitly dropped
 (e.g. stale) or still waits in the learner's queue — none vanishes.
@@ -32,6 +34,7 @@ class Lease:
     client: bytes
     expires_at: float
     prompt_token_ids: bytes | None = None  # as granted (LeaseDesk); ingest compares bytes instead of re-encoding
+    granted_at: float = 0.0  # renewals never push expires_at past granted_at + lease_max_s
 
 
 class LeaseRejected(Exception):
@@ -40,7 +43,7 @@ class LeaseRejected(Exception):
 
 class TaskBoard:
     def __init__(self, prompts: Iterator[Prompt], *, lease_timeout_s: float, max_leases_per_client: int,
-                 clock=time.time):
+                 lease_max_s: float | None = None, clock=time.time):
         self._source = prompts
         self._requeued: deque[Prompt] = deque()
         self._outstanding: dict[str, Lease] = {}
@@ -49,6 +52,7 @@ class TaskBoard:
         self._lock = threading.Lock()
         self._clock = clock
         self.lease_timeout_s = lease_timeout_s
+        self.lease_max_s = lease_max_s if lease_max_s is not None else lease_timeout_s  # None: no renewals
         self.max_leases_per_client = max_leases_per_client
         self.leased = 0          # lease grants (a re-leased prompt counts again)
         self.completed = 0       # groups accepted
@@ -56,6 +60,7 @@ class TaskBoard:
         self.dropped = 0         # groups explicitly dropped (e.g. stale) after acceptance
         self.released = 0        # grants of a requeued (expired) prompt to someone else
         self.trained = 0         # accepted groups the learner trained on
+        self.renewals = 0        # lease renewals granted (not part of the balance: a renewed lease is still one lease)
         self._skip: set[str] = set()  # prompt ids settled by a journal replay before the source reached them
         self._seq = itertools.count()
 
@@ -73,8 +78,9 @@ class TaskBoard:
                     while prompt.prompt_id in self._skip:
                         self._skip.discard(prompt.prompt_id)
                         prompt = next(self._source)
+                now = self._clock()
                 lease = Lease(f"{next(self._seq)}-{secrets.token_hex(4)}", prompt, client,
-                              self._clock() + self.lease_timeout_s)
+                              now + self.lease_timeout_s, granted_at=now)
                 self._outstanding[lease.lease_id] = lease
                 self._held[client] += 1
                 heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
@@ -105,6 +111,25 @@ class TaskBoard:
             if lease.client != client:
                 raise LeaseRejected(f"lease {lease_id} belongs to another volunteer")
             return lease
+
+    def renew(self, lease_ids, client: bytes) -> dict[str, float]:
+        """Extend the holder's leases: expires_at = now + lease_timeout_s, never beyond granted_at +
+        lease_max_s. Returns seconds left per id asked about (0.0: unknown, expired or someone else's —
+        the volunteer drops that group instead of sending a batch that would be refused)."""
+        with self._lock:
+            self._expire_locked()
+            now, out = self._clock(), {}
+            for lid in lease_ids:
+                lease = self._outstanding.get(lid)
+                if lease is None or lease.client != client:
+                    out[lid] = 0.0
+                    continue
+                new = min(now + self.lease_timeout_s, lease.granted_at + self.lease_max_s)
+                if new > lease.expires_at:
+                    lease.expires_at = new
+                    self.renewals += 1
+                out[lid] = max(0.0, lease.expires_at - now)
+            return out
 
     def abandon(self, lease_ids, client: bytes) -> int:
         """The holder's batch for these leases was refused: end them now, as if they had expired (their
@@ -166,16 +191,18 @@ class TaskBoard:
             }
 
     def restore(self, state: dict) -> None:
-        """Inverse of `state()`. Restored leases get a fresh timeout: the volunteers holding them could not
-        deliver while the coordinator was down, and a batch for a checkpointed lease must still be accepted."""
+        """Inverse of `state()`. Restored leases get a fresh timeout (and a fresh renewal allowance): the
+        volunteers holding them could not deliver or renew while the coordinator was down, and a batch for
+        a checkpointed lease must still be accepted."""
         with self._lock:
             if state.get("source") is not None:
                 if not hasattr(self._source, "restore"):
                     raise ValueError("the checkpoint holds a task position but this task source is not resumable")
                 self._source.restore(state["source"])
-            fresh = self._clock() + self.lease_timeout_s
+            now = self._clock()
+            fresh = now + self.lease_timeout_s
             self._outstanding = {d["lease_id"]: Lease(d["lease_id"], Prompt(**d["prompt"]), bytes.fromhex(d["client"]),
-                                                      max(float(d["expires_at"]), fresh))
+                                                      max(float(d["expires_at"]), fresh), granted_at=now)
                                  for d in state["outstanding"]}
             self._held = Counter(l.client for l in self._outstanding.values())
             self._expiry = [(l.expires_at, lid) for lid, l in self._outstanding.items()]
@@ -225,11 +252,12 @@ class TaskBoard:
         with self._lock:
             return {"leased": self.leased, "completed": self.completed, "expired": self.expired,
                     "dropped": self.dropped, "outstanding": len(self._outstanding),
-                    "requeued_waiting": len(self._requeued), "released": self.released, "trained": self.trained}
+                    "requeued_waiting": len(self._requeued), "released": self.released, "trained": self.trained,
+                    "renewals": self.renewals}
 
 
-_COUNTERS = ("leased", "completed", "expired", "dropped", "released", "trained")
+_COUNTERS = ("leased", "completed", "expired", "dropped", "released", "trained", "renewals")
 
 
 def _prompt_dict(p: Prompt) -> dict:
-    return {"prompt_id": p.prompt_id, "text": p.text, "answer": p.answer, "reward": p.reward}
+    return {"prompt_id": p.prompt_id, "text": p.text, "answer": p.answer, "reward": p.reward, "columns": p.columns}

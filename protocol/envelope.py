@@ -84,6 +84,14 @@ def seal(
     return MAGIC + identity.public_key + identity.sign(DOMAIN + body) + body
 
 
+def sealed_size_bound(kind: str, payload_bytes: int) -> int:
+    """The most bytes `seal` can produce for a payload of this size (header + body framing): start-up
+    checks size a batch against a byte cap with it (coordinator/preflight.py)."""
+    empty = _body_encoder.encode(EnvelopeBody(kind=kind, audience=BROADCAST, timestamp=0.0,
+                                              nonce=bytes(NONCE_BYTES), payload=b""))
+    return HEADER_BYTES + len(empty) + 4 + payload_bytes  # +4: a bin8 length header grows to at most bin32
+
+
 def open_envelope(
     data: bytes,
     *,

@@ -94,6 +94,9 @@ class TaskLease(_Record):
     group_size: int
     sampling: SamplingParams
     expires_at: float
+    # schema 2: the record as TRL-style rewards see it (tasks/prompt.py `columns`: canonical JSON, "" = none);
+    # the coordinator re-scores from its own copy, so this only has to reach the volunteer intact
+    columns: Annotated[str, msgspec.Meta(max_length=limits.MAX_TASK_COLUMNS_CHARS)] = ""
 
 
 class Completion(_Record):
@@ -150,6 +153,15 @@ class LeaseRequest(_Message):
     max_prompts: int
     adapter_version: int
     client_name: str
+    # schema 2: leases still being worked on; each held one is extended (coordinator/taskboard.py `renew`).
+    # A request with max_prompts = 0 only renews.
+    renew: Annotated[tuple[Annotated[str, msgspec.Meta(max_length=128)], ...],
+                     msgspec.Meta(max_length=limits.MAX_GROUPS_PER_BATCH)] = ()
+
+
+class LeaseRenewal(_Record):
+    lease_id: str
+    expires_in_s: float  # seconds left on the coordinator's clock after this renewal; 0 = gone (do not send it)
 
 
 MAX_RETRY_AFTER_S = 3600.0
@@ -161,6 +173,8 @@ class LeaseGrant(_Message):
     current_version: int
     # schema 2: with no leases, when to ask again (coordinator/leasing.py FairShare); 0 = the client's own pause
     retry_after_s: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_RETRY_AFTER_S)] = 0.0
+    # schema 2: the answer to LeaseRequest.renew, one entry per id asked about
+    renewed: Annotated[tuple[LeaseRenewal, ...], msgspec.Meta(max_length=limits.MAX_GROUPS_PER_BATCH)] = ()
 
 
 class RolloutBatch(_Message):
@@ -177,6 +191,21 @@ class Ack(_Message):
     accepted: bool
     code: str | None = None  # a RejectCode value when not accepted
     detail: str = ""
+
+
+def rollout_batch_bytes_bound(*, groups: int, group_size: int, max_new_tokens: int, prompt_tokens: int) -> int:
+    """The most bytes an encoded RolloutBatch of this shape takes: every completion at max_new_tokens,
+    every prompt at `prompt_tokens`, ids and names at their longest. Exact per part (each part encoded as
+    it would be sent), plus 4 bytes per array/bin header for the growth of msgpack length headers."""
+    name = "x" * 128
+    comp = Completion(token_ids=bytes(4 * max_new_tokens), logprobs=bytes(4 * max_new_tokens), reward=-1e300,
+                      finish_reason="length")
+    group = RolloutGroup(lease_id=name, prompt_id=name * 2, prompt_token_ids=bytes(4 * prompt_tokens), completions=())
+    batch = RolloutBatch(run_id=name, adapter_version=2**62, client_name=name, groups=(), generated_at=0.0,
+                         sampling=SamplingParams(temperature=1e300, top_p=1e300, top_k=2**62, max_new_tokens=2**62))
+    per_comp = len(encode(comp)) + 8
+    per_group = len(encode(group)) + 12 + group_size * per_comp
+    return len(encode(batch)) + 4 + groups * per_group
 
 
 # --------------------------------------------------------------------------------------------------
@@ -290,8 +319,8 @@ def validate_rollout_batch(batch: RolloutBatch, *, vocab_size: int | None = None
             if lp.max() > LOGPROB_TOLERANCE:
                 raise _bad(f"{cw}.logprobs must be <= 0 (got max {float(lp.max())})")
             _finite(c.reward, f"{cw}.reward")
-            if not 0.0 <= c.reward <= 1.0:
-                raise _bad(f"{cw}.reward must be in [0, 1], got {c.reward}")
+            if not abs(c.reward) <= limits.MAX_ABS_REWARD:  # TRL-style rewards are not clamped to [0, 1]
+                raise _bad(f"{cw}.reward must be within ±{limits.MAX_ABS_REWARD:g}, got {c.reward}")
 
 
 def validate_manifest(m: AdapterManifest) -> None:

@@ -296,6 +296,8 @@ class SourceReport:
 
     records: int = 0
     longest_prompt_tokens: int = 0
+    longest_text_bytes: int = 0     # UTF-8, the (templated) prompt text a lease carries
+    longest_columns_bytes: int = 0  # UTF-8, the columns JSON a lease carries (the answer is inside it)
     skipped_long: int = 0
     skipped_columns: int = 0
     examples: list[str] = dataclasses.field(default_factory=list)  # first few skipped records, "where: why"
@@ -326,6 +328,8 @@ def check_records(records: list[Prompt], where: list[Where], tokenizer, *, max_p
         if why is None:
             kept.append(r)
             report.longest_prompt_tokens = max(report.longest_prompt_tokens, n)
+            report.longest_text_bytes = max(report.longest_text_bytes, len(r.text.encode()))
+            report.longest_columns_bytes = max(report.longest_columns_bytes, len(r.columns.encode()))
             continue
         if oversized == "error":
             raise TaskSourceError(f"{where[i][0]}: {why} (shorten it, raise the limit, or set "
