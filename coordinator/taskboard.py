@@ -127,6 +127,7 @@ class TaskBoard:
                 new = min(now + self.lease_timeout_s, lease.granted_at + self.lease_max_s)
                 if new > lease.expires_at:
                     lease.expires_at = new
+                    heapq.heappush(self._expiry, (new, lid))  # the old entry no longer matches: skipped
                     self.renewals += 1
                 out[lid] = max(0.0, lease.expires_at - now)
             return out
