@@ -22,6 +22,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     from .config import CoordinatorConfig
+    from .loss import CORRECTIONS
 
     d = CoordinatorConfig()
     p = argparse.ArgumentParser(prog="asyncrl-coordinator", description="asyncrl coordinator: learner + publisher")
@@ -96,11 +97,23 @@ def build_parser() -> argparse.ArgumentParser:
                            "or skip and count it")
     loss = run.add_argument_group("loss (coordinator/loss.py names each variant and its source)")
     loss.add_argument("--loss-type", default=d.loss.loss_type, choices=["grpo", "dr_grpo", "dapo"])
-    loss.add_argument("--correction", default=d.loss.correction, choices=["clip", "tis-token", "tis-sequence", "none"],
-                      help="off-policy correction against the volunteers' sampling logprobs")
+    loss.add_argument("--correction", default=d.loss.correction, choices=list(CORRECTIONS),
+                      help="off-policy correction against the volunteers' sampling logprobs (docs/staleness.md "
+                           "says which to use when)")
     loss.add_argument("--epsilon", type=float, default=d.loss.epsilon, help="PPO clip: lower bound 1 - epsilon")
     loss.add_argument("--epsilon-high", type=float, default=d.loss.epsilon_high, help="upper bound 1 + epsilon_high")
     loss.add_argument("--is-cap", type=float, default=d.loss.is_cap, help="truncation cap of the IS weight (tis-*)")
+    loss.add_argument("--dual-clip", type=float, default=d.loss.dual_clip,
+                      help="dual-clip constant c > 1 bounding A < 0 terms (clip, m2po); 0 = off")
+    loss.add_argument("--aipo-cap", type=float, default=d.loss.aipo_cap, help="ratio cap of aipo")
+    loss.add_argument("--m2-threshold", type=float, default=d.loss.m2_threshold,
+                      help="m2po: bound tau on the kept tokens' mean squared log-ratio")
+    loss.add_argument("--prox-lag", type=int, default=d.loss.prox_lag,
+                      help="decoupled: the trust region's anchor is at most this many versions behind")
+    loss.add_argument("--stale-weighting", default=d.loss.stale_weighting, choices=["none", "decay"],
+                      help="re-weight a step's rows by version gap (0.5 ** (gap / --stale-half-life))")
+    loss.add_argument("--stale-half-life", type=float, default=d.loss.stale_half_life,
+                      help="versions for a row's weight to halve (--stale-weighting decay)")
     loss.add_argument("--scale-rewards", default=d.loss.scale_rewards, choices=["group", "none"])
     loss.add_argument("--beta", type=float, default=d.loss.beta,
                       help="KL coefficient to the base model (k3 estimator); 0 = off")

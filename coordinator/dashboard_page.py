@@ -67,6 +67,8 @@ PAGE = r"""<!doctype html>
       <div class="s" id="reward_sub"></div></div>
     <div class="card"><div class="k">Staleness</div><div class="v" id="staleness">–</div>
       <div class="s" id="staleness_sub"></div></div>
+    <div class="card"><div class="k">Off-policy (ESS)</div><div class="v" id="ess">–</div>
+      <div class="s" id="ess_sub"></div></div>
     <div class="card"><div class="k">Throughput</div><div class="v" id="throughput">–</div>
       <div class="s" id="throughput_sub"></div></div>
     <div class="card"><div class="k">Volunteers</div><div class="v" id="volunteers">–</div>
@@ -80,6 +82,8 @@ PAGE = r"""<!doctype html>
     <section><h2>Reward per optimizer step</h2><svg id="reward_chart" width="100%" height="200"></svg></section>
     <section><h2>Staleness of trained groups (versions behind)</h2>
       <svg id="staleness_chart" width="100%" height="200"></svg></section>
+    <section><h2>Off-policy correction: effective sample size (blue), tokens without gradient (red)</h2>
+      <svg id="offpolicy_chart" width="100%" height="200"></svg></section>
   </div>
   <section>
     <h2>Swarm</h2>
@@ -191,6 +195,13 @@ function render(d) {
   set("staleness", last ? fmt(last.staleness_mean, 2) : "–");
   set("staleness_sub", "max allowed " + (L.max_staleness === null ? "∞" : L.max_staleness) +
       " · dropped " + st.groups_dropped_stale + " groups");
+  set("ess", last && last.ess !== null && last.ess !== undefined ? fmt(last.ess) : "–");
+  const gaps = Object.entries(st.off_policy.masked_by_staleness)
+      .map(([g, f]) => g + ": " + fmt(100 * f, 0) + "%").join(" · ");
+  set("ess_sub", last && last.masked_fraction !== null && last.masked_fraction !== undefined ?
+      "masked " + fmt(100 * last.masked_fraction, 1) + "% · E[log²r] " + fmt(last.log_ratio_m2, 3) +
+      " · E[r²] " + fmt(last.is_weight_m2, 2) + (gaps ? " · masked by gap (last " +
+      st.off_policy.window_steps + " steps) " + gaps : "") : "");
   set("throughput", fmt(st.throughput.rollouts_per_s, 1) + "/s");
   set("throughput_sub", "rollouts · " + fmt(st.throughput.tokens_per_s, 0) + " tokens/s trained · " +
       fmt(st.throughput.steps_per_min, 1) + " steps/min");
@@ -207,6 +218,8 @@ function render(d) {
                                     {ys: c.reward_avg, color: "#2f6fdf", width: 2}], [0, 1]);
   chart($("staleness_chart"), c.step, [{ys: c.staleness_max, color: "#e07b24", opacity: 0.3, width: 1},
                                        {ys: c.staleness, color: "#e07b24", width: 2}]);
+  chart($("offpolicy_chart"), c.step, [{ys: c.ess, color: "#2f6fdf", width: 2},
+                                       {ys: c.masked_fraction, color: "#d62728", width: 2}], [0, 1]);
 
   const tbody = $("swarm").tBodies[0];
   tbody.replaceChildren();

@@ -31,6 +31,7 @@ import torch
 
 from asyncrl.protocol.messages import LoraSpec
 
+from .corrections import decay_row_weights
 from .loss import LossConfig, LossTotals, StepNormaliser, group_advantages, policy_terms, token_weights
 
 
@@ -61,6 +62,8 @@ class Row:
     temperature: float = 1.0
     advantage: float = 0.0
     loss_mask: list[float] | None = None  # per completion token (None = all 1); truncation masks go here
+    staleness: int = 0       # learner version - the version that generated it (coordinator/corrections.py)
+    weight: float = 1.0      # `stale_weighting` row weight
 
     @property
     def comp_len(self) -> int:
@@ -176,6 +179,11 @@ class Learner:
                                self.loss_cfg.scale_rewards)
         for r, a in zip(rows, adv.tolist()):
             r.advantage = a
+            r.staleness = self.version - fresh[r.group].version
+        if self.loss_cfg.stale_weighting == "decay":  # over the whole step's rows, before any micro-batch
+            weights = decay_row_weights([r.staleness for r in rows], self.loss_cfg.stale_half_life)
+            for r, w in zip(rows, weights.tolist()):
+                r.weight = w
         norm = StepNormaliser.over(r.mask() for r in rows)  # the whole step's, every rank's rows included
         mine, scale = self._local_rows(rows)
         plan = plan_micro_batches([len(r.ids) for r in mine], self.micro_batch_tokens)
@@ -194,7 +202,9 @@ class Learner:
                     with torch.no_grad(), self.model.disable_adapter():
                         ref = self.scorer(batch, entropy=False).logps
                 terms = policy_terms(out.logps, batch["sampling_logps"], batch["adv"], batch["mask"],
-                                     self.loss_cfg, ref_logps=ref)
+                                     self.loss_cfg, ref_logps=ref, staleness=batch["staleness"],
+                                     row_weights=batch["row_weight"] if self.loss_cfg.stale_weighting != "none"
+                                     else None)
                 loss = (terms.per_token * token_weights(batch["mask"], self.loss_cfg, norm)).sum()
                 (loss * part).backward()
             if part:
@@ -319,7 +329,8 @@ def collate_groups(groups: list[TrainGroup], pad_id: int, device) -> dict[str, t
 
 def collate_rows(rows: list[Row], pad_id: int, device) -> dict[str, torch.Tensor]:
     """Right-padded [B, W] ids/attn (W = this micro-batch's longest row); [B, Tmax] loss `mask` and sampling
-    logprobs in completion-aligned columns; [B] prompt_lens, comp_lens, temps and advantages `adv`."""
+    logprobs in completion-aligned columns; [B] prompt_lens, comp_lens, temps, advantages `adv`, version gaps
+    `staleness` and `row_weight`."""
     width = max(len(r.ids) for r in rows)
     tmax = max(r.comp_len for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -336,7 +347,9 @@ def collate_rows(rows: list[Row], pad_id: int, device) -> dict[str, torch.Tensor
             "adv": torch.tensor([r.advantage for r in rows], dtype=torch.float32).to(device),
             "prompt_lens": torch.tensor([r.prompt_len for r in rows]),
             "comp_lens": torch.tensor([r.comp_len for r in rows]),
-            "temps": torch.tensor([r.temperature for r in rows], dtype=torch.float32)}
+            "temps": torch.tensor([r.temperature for r in rows], dtype=torch.float32),
+            "staleness": torch.tensor([r.staleness for r in rows]).to(device),
+            "row_weight": torch.tensor([r.weight for r in rows], dtype=torch.float32).to(device)}
 
 
 def completion_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:

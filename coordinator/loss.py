@@ -6,16 +6,14 @@ Variant (and sources):
   argues for no std scaling: `scale_rewards="none"`).
 - Policy ratio and clipping (PPO, Schulman et al. 2017) with asymmetric bounds
   clip(ratio, 1 - epsilon, 1 + epsilon_high) (DAPO "clip-higher", Yu et al. 2025; TRL `epsilon_high`).
-- Off-policy correction, `correction`:
-    "clip"            ratio = pi_theta / mu, mu = the volunteer's *sampling* logprobs: plain PPO where the
-                      behaviour policy plays "old policy". Stale tokens whose ratio left the band get no
-                      gradient. This is the default.
-    "tis-token"       decoupled PPO (AReaL, Fu et al. 2025; TRL `vllm_importance_sampling_correction`):
-    "tis-sequence"    ratio = pi_theta / pi_prox with pi_prox = the current policy (detached), times a
-                      truncated importance weight w = min(pi_prox / mu, cap) per token or per sequence
-                      (product over the sequence's tokens). TRL's "token_truncate" / "sequence_truncate".
-    "none"            ratio against the detached current policy and no weight: treats stale data as
-                      on-policy. Only for the staleness benchmark's "uncorrected" arm.
+- Off-policy correction, `correction` (the per-token term; coordinator/corrections.py names each
+  variant, its source and its exact formula): "clip" (PPO ratio pi_theta / mu against the volunteer's
+  sampling logprobs mu, with dual-clip for A < 0), "tis-token" / "tis-sequence" (truncated IS on
+  decoupled PPO), "aipo" (one-sided capped IS), "m2po" (second-moment trust region), "decoupled"
+  (decoupled PPO whose proximal policy is at most `prox_lag` versions behind), "none" (stale data as
+  on-policy: the staleness benchmark's uncorrected arm). Default: "clip".
+- Staleness-aware weighting, `stale_weighting` (default "none"): "decay" multiplies each row's policy
+  term by 0.5^(gap / stale_half_life), normalised to mean 1 over the step's rows (`decay_row_weights`).
 - Loss normalisation, `loss_type` (TRL semantics):
     "grpo"     mean over each sequence's tokens, then mean over sequences;
     "dr_grpo"  sum over all tokens / (num_sequences * max_completion_length);
@@ -28,10 +26,17 @@ Variant (and sources):
   policy against the volunteer's sampling policy, in every mode (it is what staleness moves; in the
   "tis-*"/"none" modes the objective's own ratio is 1 by construction); clip fractions split into
   low (ratio < 1 - epsilon with A < 0) and high (ratio > 1 + epsilon_high with A > 0) against the
-  objective's ratio; IS weight mean and the fraction of tokens whose weight hit the cap.
+  objective's ratio (clip and decoupled only); IS weight mean and the fraction of tokens whose weight
+  hit the cap; the off-policy figures: mean (log r)^2 (what M2PO bounds), mean r^2 (the IS weight's
+  second moment), the Kish effective sample size (sum r)^2 / (N sum r^2) of the token weights r =
+  pi_theta / mu, and the fraction of tokens the correction left without gradient, overall and by
+  version-gap band (`corrections.STALENESS_BANDS`). r is capped at e^50 in these three sums only (so a
+  float64 sum cannot overflow; a weight that large already means ESS ~ 1/N).
 
 Structure (what micro-batching and the off-policy corrections build on):
-  `policy_terms`   the objective *per token* (ratio, clip, IS weight, KL) — a function of each row alone;
+  `policy_terms`   the objective *per token* (coordinator/corrections.py's `token_term`, then KL) — a
+                   function of each row alone, except M2PO's mask (a statistic of the micro-batch: see
+                   corrections.py);
   `token_weights`  the normalisation: each token's coefficient from its row and the step-wide counts in a
                    `StepNormaliser` (rows, trained tokens of the whole step, every micro-batch and rank);
   `LossTotals`     statistics as sums and counts, added per micro-batch (and all-reduced under DDP).
@@ -52,8 +57,26 @@ if TYPE_CHECKING:
 # torch is imported inside the functions: the coordinator's config (and so `--help`) imports LossConfig.
 
 LossType = Literal["grpo", "dr_grpo", "dapo"]
-Correction = Literal["clip", "tis-token", "tis-sequence", "none"]
+Correction = Literal["clip", "tis-token", "tis-sequence", "aipo", "m2po", "decoupled", "none"]
+CORRECTIONS = ("clip", "tis-token", "tis-sequence", "aipo", "m2po", "decoupled", "none")
 ScaleRewards = Literal["group", "none"]
+StaleWeighting = Literal["none", "decay"]
+
+
+R_LOG_CAP = 50.0
+"""log(pi/mu) is capped here in the second-moment / ESS sums (float64, all-reduced under DDP)."""
+STALENESS_BANDS = ((0, 0), (1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 32), (33, 64), (65, 128), (129, None))
+"""Version-gap bands of the masked-by-staleness statistic (fixed, so the sums all-reduce across ranks)."""
+STALENESS_BAND_LABELS = tuple(str(lo) if lo == hi else f"{lo}+" if hi is None else f"{lo}-{hi}"
+                              for lo, hi in STALENESS_BANDS)
+
+
+def staleness_bands(gaps: torch.Tensor) -> torch.Tensor:
+    """Index into STALENESS_BANDS of each version gap."""
+    import torch
+
+    uppers = torch.tensor([hi for _, hi in STALENESS_BANDS[:-1]], device=gaps.device)
+    return torch.bucketize(gaps.clamp(min=0), uppers, right=False)
 
 
 @dataclass(frozen=True)
@@ -62,7 +85,13 @@ class LossConfig:
     correction: Correction = "clip"
     epsilon: float = 0.2
     epsilon_high: float = 0.28
-    is_cap: float = 2.0
+    is_cap: float = 2.0  # tis-*, decoupled: truncation cap of the IS weight
+    dual_clip: float = 3.0  # clip/m2po/decoupled: dual-clip constant c for A < 0 (Ye et al. 2020); 0 = off
+    aipo_cap: float = 8.0  # aipo: ratio cap delta (prime-rl's clip_ratio default)
+    m2_threshold: float = 0.04  # m2po: tau, the bound on the kept tokens' mean (log r)^2
+    prox_lag: int = 8  # decoupled: the proximal policy (trust-region anchor) is at most this many versions behind
+    stale_weighting: StaleWeighting = "none"  # per-row weights by version gap, corrections.decay_row_weights.
+    stale_half_life: float = 8.0  # stale_weighting "decay": versions for a row's weight to halve
     scale_rewards: ScaleRewards = "group"
     max_completion_length: int = 16  # only used by dr_grpo's constant normaliser
     beta: float = 0.0  # KL coefficient; 0 = no reference model forward at all
@@ -71,11 +100,16 @@ class LossConfig:
         """Raise ValueError naming the first bad field (the coordinator config wraps it)."""
         checks = [
             (self.loss_type in ("grpo", "dr_grpo", "dapo"), "loss_type must be grpo, dr_grpo or dapo"),
-            (self.correction in ("clip", "tis-token", "tis-sequence", "none"),
-             "correction must be clip, tis-token, tis-sequence or none"),
+            (self.correction in CORRECTIONS, "correction must be one of " + ", ".join(CORRECTIONS)),
             (0.0 < self.epsilon < 1.0, "epsilon must be in (0, 1)"),
             (self.epsilon_high > 0.0, "epsilon_high must be > 0"),
             (self.is_cap >= 1.0, "is_cap must be >= 1"),
+            (self.dual_clip == 0.0 or self.dual_clip > 1.0, "dual_clip must be 0 (off) or > 1"),
+            (self.aipo_cap >= 1.0, "aipo_cap must be >= 1"),
+            (self.m2_threshold > 0.0, "m2_threshold must be > 0"),
+            (self.prox_lag >= 1, "prox_lag must be >= 1"),
+            (self.stale_weighting in ("none", "decay"), "stale_weighting must be none or decay"),
+            (self.stale_half_life > 0.0, "stale_half_life must be > 0"),
             (self.scale_rewards in ("group", "none"), "scale_rewards must be group or none"),
             (self.max_completion_length >= 1, "max_completion_length must be >= 1"),
             (self.beta >= 0.0, "beta must be >= 0"),
@@ -150,31 +184,30 @@ class TokenTerms:
     weight: torch.Tensor      # importance weight applied to the policy term (1 without TIS)
     truncated: torch.Tensor   # 1 where the weight hit is_cap
     kl: torch.Tensor | None   # k3 KL per token when beta > 0
+    no_grad: torch.Tensor | None = None  # bool: tokens the correction left without a policy gradient
+    log_behaviour: torch.Tensor | None = None  # log(pi_theta / mu), detached, 0 on padding
+    staleness: torch.Tensor | None = None  # [b] each row's version gap
 
 
 def policy_terms(logps: torch.Tensor, sampling_logps: torch.Tensor, advantages: torch.Tensor,
-                 mask: torch.Tensor, cfg: LossConfig, ref_logps: torch.Tensor | None = None) -> TokenTerms:
+                 mask: torch.Tensor, cfg: LossConfig, ref_logps: torch.Tensor | None = None,
+                 staleness: torch.Tensor | None = None, row_weights: torch.Tensor | None = None,
+                 keep: torch.Tensor | None = None) -> TokenTerms:
     """The per-token objective: a function of each row alone (rows are never split across micro-batches), so
-    any correction added here is micro-batch exact as long as it is normalised by `token_weights`."""
+    any correction added here is micro-batch exact as long as it is normalised by `token_weights` — M2PO's
+    mask excepted (a statistic of the rows given; pass `keep` to use one computed elsewhere).
+
+    staleness [b]: each row's version gap (needed by "decoupled"; the masked-by-staleness statistic);
+    row_weights [b]: multiplies each row's policy term (`stale_weighting`)."""
     import torch
 
-    mask = mask.to(logps.dtype)
-    adv = advantages.unsqueeze(1)
-    anchor = sampling_logps if cfg.correction == "clip" else logps.detach()
-    ratio = torch.exp((logps - anchor) * mask)
-    clipped = torch.clamp(ratio, 1.0 - cfg.epsilon, 1.0 + cfg.epsilon_high)
-    per_token = -torch.minimum(ratio * adv, clipped * adv)
+    from .corrections import token_term
 
-    weight = torch.ones_like(logps)
-    truncated = torch.zeros_like(logps)
-    if cfg.correction in ("tis-token", "tis-sequence"):
-        log_w = (logps.detach() - sampling_logps) * mask
-        if cfg.correction == "tis-sequence":
-            log_w = log_w.sum(dim=1, keepdim=True).expand_as(logps)
-        raw = torch.exp(log_w)
-        weight = torch.clamp(raw, max=cfg.is_cap)
-        truncated = (raw > cfg.is_cap).to(logps.dtype)
-    per_token = per_token * weight
+    mask = mask.to(logps.dtype)
+    term = token_term(logps, sampling_logps, advantages, mask, cfg, keep=keep, row_staleness=staleness)
+    per_token = term.per_token
+    if row_weights is not None:
+        per_token = per_token * row_weights.to(per_token.device, per_token.dtype).unsqueeze(1)
 
     kl = None
     if cfg.beta > 0.0:
@@ -183,8 +216,10 @@ def policy_terms(logps: torch.Tensor, sampling_logps: torch.Tensor, advantages: 
         delta = (ref_logps - logps) * mask
         kl = torch.exp(delta) - delta - 1.0
         per_token = per_token + cfg.beta * kl
-    behaviour = torch.exp((logps.detach() - sampling_logps) * mask)
-    return TokenTerms(per_token, ratio.detach(), behaviour, weight, truncated, kl.detach() if kl is not None else None)
+    log_behaviour = ((logps.detach() - sampling_logps) * mask)
+    return TokenTerms(per_token, term.ratio, torch.exp(log_behaviour), term.weight, term.truncated,
+                      kl.detach() if kl is not None else None, no_grad=term.no_grad, log_behaviour=log_behaviour,
+                      staleness=staleness)
 
 
 @dataclass
@@ -200,6 +235,11 @@ class LossStats:
     clip_high_fraction: float = 0.0
     kl_mean: float = 0.0
     entropy_mean: float | None = None
+    log_ratio_m2: float = 0.0
+    is_weight_m2: float = 1.0
+    ess: float = 1.0
+    masked_fraction: float = 0.0
+    masked_by_staleness: dict | None = None
 
     def metrics(self) -> dict[str, float]:
         """The per-step numbers the coordinator writes to metrics.jsonl."""
@@ -208,7 +248,9 @@ class LossStats:
                "clip_low_fraction": self.clip_low_fraction, "clip_high_fraction": self.clip_high_fraction,
                "ratio_mean": self.ratio_mean, "ratio_max": self.ratio_max, "ratio_min": self.ratio_min,
                "is_weight_mean": self.is_weight_mean, "is_truncated_fraction": self.is_truncated_fraction,
-               "kl_mean": self.kl_mean}
+               "kl_mean": self.kl_mean, "log_ratio_m2": self.log_ratio_m2, "is_weight_m2": self.is_weight_m2,
+               "ess": self.ess, "masked_fraction": self.masked_fraction,
+               "masked_by_staleness": dict(self.masked_by_staleness or {})}
         if self.entropy_mean is not None:
             out["entropy_mean"] = self.entropy_mean
         return out
@@ -218,7 +260,9 @@ class LossTotals:
     """Statistics summed over a step's micro-batches (and, under DDP, over ranks: `as_tensors`/`from_tensors`),
     so a micro-batched step reports exactly what the full-batch step would. Means are per masked token."""
 
-    SUMS = ("loss", "tokens", "clip_low", "clip_high", "ratio", "weight", "truncated", "kl", "entropy")
+    SUMS = ("loss", "tokens", "clip_low", "clip_high", "ratio", "weight", "truncated", "kl", "entropy",
+            "log_r2", "r1", "r2", "masked") + tuple(f"{kind}@{band}" for band in STALENESS_BAND_LABELS
+                                                     for kind in ("masked", "tokens"))
 
     def __init__(self) -> None:
         self.sums = dict.fromkeys(self.SUMS, 0.0)
@@ -237,8 +281,23 @@ class LossTotals:
             s = self.sums
             s["loss"] += float(loss.detach())
             s["tokens"] += float(m.sum())
-            s["clip_low"] += float(((terms.ratio < 1.0 - cfg.epsilon) & (adv < 0) & on).sum())
-            s["clip_high"] += float(((terms.ratio > 1.0 + cfg.epsilon_high) & (adv > 0) & on).sum())
+            if cfg.correction in ("clip", "decoupled"):  # the only corrections with a PPO band
+                s["clip_low"] += float(((terms.ratio < 1.0 - cfg.epsilon) & (adv < 0) & on).sum())
+                s["clip_high"] += float(((terms.ratio > 1.0 + cfg.epsilon_high) & (adv > 0) & on).sum())
+            if terms.log_behaviour is not None:
+                lr = terms.log_behaviour.detach().double()[on].clamp(max=R_LOG_CAP)
+                s["log_r2"] += float(lr.pow(2).sum())
+                s["r1"] += float(torch.exp(lr).sum())
+                s["r2"] += float(torch.exp(2 * lr).sum())
+            if terms.no_grad is not None:
+                masked = terms.no_grad & on
+                s["masked"] += float(masked.sum())
+                if terms.staleness is not None:
+                    bands = staleness_bands(terms.staleness).to(on.device)
+                    for b, label in enumerate(STALENESS_BAND_LABELS):
+                        rows = (bands == b).unsqueeze(1)
+                        s[f"tokens@{label}"] += float((on & rows).sum())
+                        s[f"masked@{label}"] += float((masked & rows).sum())
             s["ratio"] += float((terms.behaviour * m).sum())
             s["weight"] += float((terms.weight * m).sum())
             s["truncated"] += float((terms.truncated * m).sum())
@@ -281,19 +340,27 @@ class LossTotals:
             clip_high_fraction=s["clip_high"] / n,
             kl_mean=s["kl"] / n,
             entropy_mean=s["entropy"] / n if self.has_entropy else None,
+            log_ratio_m2=s["log_r2"] / n,
+            is_weight_m2=1.0 if empty else s["r2"] / n,
+            ess=1.0 if empty or s["r2"] <= 0 else s["r1"] ** 2 / (n * s["r2"]),
+            masked_fraction=s["masked"] / n,
+            masked_by_staleness={label: s[f"masked@{label}"] / s[f"tokens@{label}"] for label in STALENESS_BAND_LABELS
+                                 if s[f"tokens@{label}"] > 0},
         )
 
 
 def grpo_loss(logps: torch.Tensor, sampling_logps: torch.Tensor, advantages: torch.Tensor,
               mask: torch.Tensor, cfg: LossConfig, ref_logps: torch.Tensor | None = None,
-              norm: StepNormaliser | None = None) -> LossStats:
+              norm: StepNormaliser | None = None, staleness: torch.Tensor | None = None,
+              row_weights: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> LossStats:
     """logps, sampling_logps, mask (and ref_logps when cfg.beta > 0): [B, T]; advantages: [B].
 
-    The loss of these rows as part of a step normalised by `norm` (default: these rows are the whole step).
-    Returns the scalar loss and statistics."""
+    The loss of these rows as part of a step normalised by `norm` (default: these rows are the whole step);
+    staleness / row_weights / keep as in `policy_terms`. Returns the scalar loss and statistics."""
     if norm is None:
         norm = StepNormaliser(sequences=logps.shape[0], tokens=float(mask.float().sum()))
-    terms = policy_terms(logps, sampling_logps, advantages, mask, cfg, ref_logps)
+    terms = policy_terms(logps, sampling_logps, advantages, mask, cfg, ref_logps, staleness=staleness,
+                         row_weights=row_weights, keep=keep)
     loss = (terms.per_token * token_weights(mask, cfg, norm).to(terms.per_token.dtype)).sum()
     totals = LossTotals()
     totals.add(loss, terms, advantages, mask, cfg)

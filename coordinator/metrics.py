@@ -12,7 +12,8 @@ Metric names (all prefixed `asyncrl_`): learner_steps_total, adapter_version,
 adapter_versions_published_total, adapter_publish_bytes_total{kind}, adapter_last_publish_timestamp_seconds,
 adapter_published_version, adapter_versions_superseded_total, adapter_publish_queue_depth,
 adapter_publish_latency_seconds, adapter_publish_in_flight_seconds,
-learner_reward_mean, learner_reward_moving_avg, learner_loss, learner_clip_fraction, learner_step_seconds,
+learner_reward_mean, learner_reward_moving_avg, learner_loss, learner_clip_fraction, learner_is_ess,
+learner_masked_fraction, learner_log_ratio_m2, learner_is_weight_m2, learner_step_seconds,
 learner_grad_norm, learner_token_entropy, learner_lr, learner_step_tokens_per_second,
 learner_staleness_versions (histogram over trained groups), learner_groups_trained_total,
 learner_groups_dropped_stale_total, learner_queued_groups, learner_tokens_per_second, swarm_batches_accepted_total,
@@ -38,6 +39,10 @@ THROUGHPUT_WINDOW_S = 60.0
 CURVE_POINTS = 400
 """Most points per curve handed to the dashboard (older history is thinned, not dropped)."""
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
+OFF_POLICY_FIELDS = ("ess", "masked_fraction", "log_ratio_m2", "is_weight_m2")
+"""Per-step off-policy figures of the loss (coordinator/corrections.py `off_policy_stats`)."""
+OFF_POLICY_WINDOW = 50
+"""Steps averaged for the dashboard's masked-by-staleness breakdown."""
 
 
 class RunStats:
@@ -75,7 +80,9 @@ class RunStats:
                     "groups": fields.get("groups", 0), "clip_fraction": fields.get("clip_fraction"),
                     "seconds": fields.get("seconds"), "grad_norm": fields.get("grad_norm"),
                     "entropy": fields.get("entropy_mean"), "lr": fields.get("lr"),
-                    "tokens_per_s": fields.get("tokens_per_s")})
+                    "tokens_per_s": fields.get("tokens_per_s"),
+                    **{k: fields.get(k) for k in OFF_POLICY_FIELDS},
+                    "masked_by_staleness": dict(fields.get("masked_by_staleness") or {})})
                 self.groups_trained += fields.get("groups", 0)
                 self.groups_dropped_stale += fields.get("dropped_stale", 0)
                 self.staleness_counts.update(stale)
@@ -109,6 +116,10 @@ class RunStats:
             avg = moving_average(rewards)
             stride = max(1, -(-len(steps) // CURVE_POINTS))
             keep = list(range(len(steps) - 1, -1, -stride))[::-1]
+            by_gap: dict[str, list[float]] = {}
+            for st in steps[-OFF_POLICY_WINDOW:]:
+                for gap, frac in st["masked_by_staleness"].items():
+                    by_gap.setdefault(gap, []).append(frac)
             return {
                 "steps": last["step"] if last else 0,
                 "last_step": last,
@@ -130,8 +141,13 @@ class RunStats:
                     "steps_per_min": len(self._step_times) * 60.0 / THROUGHPUT_WINDOW_S,
                     "tokens_per_s": sum(n for _, n in self._step_times) / THROUGHPUT_WINDOW_S,
                 },
+                "off_policy": {
+                    "window_steps": OFF_POLICY_WINDOW,
+                    "masked_by_staleness": {g: sum(by_gap[g]) / len(by_gap[g]) for g in sorted(by_gap, key=int)},
+                },
                 "curves": {
                     "step": [steps[i]["step"] for i in keep],
+                    **{k: [steps[i][k] for i in keep] for k in ("ess", "masked_fraction")},
                     "reward": [rewards[i] for i in keep],
                     "reward_avg": [avg[i] for i in keep],
                     "staleness": [steps[i]["staleness_mean"] for i in keep],
@@ -196,6 +212,15 @@ class SwarmCollector:
                     stats.get("reward_moving_avg"))
         yield gauge("learner_loss", "Loss of the latest step.", last.get("loss"))
         yield gauge("learner_clip_fraction", "Fraction of tokens clipped in the latest step.", last.get("clip_fraction"))
+        yield gauge("learner_is_ess", "Normalised effective sample size of the latest step's token IS weights "
+                    "pi/mu (1 = on-policy).", last.get("ess"))
+        yield gauge("learner_masked_fraction", "Fraction of the latest step's completion tokens the off-policy "
+                    "correction left without gradient (clipped, capped or masked).",
+                    last.get("masked_fraction"))
+        yield gauge("learner_log_ratio_m2", "Mean squared log importance ratio log(pi/mu) of the latest step "
+                    "(M2PO's second moment).", last.get("log_ratio_m2"))
+        yield gauge("learner_is_weight_m2", "Second moment of the latest step's token IS weights pi/mu.",
+                    last.get("is_weight_m2"))
         yield gauge("learner_step_seconds", "Wall time of the latest optimizer step.", last.get("seconds"))
         yield gauge("learner_grad_norm", "Gradient norm of the latest step, before clipping.", last.get("grad_norm"))
         yield gauge("learner_token_entropy", "Mean policy entropy (nats) over the latest step's completion tokens.",

@@ -57,8 +57,11 @@ def test_step_drops_stale_groups_and_reports_metrics(tiny_path):
     assert m["staleness_hist"] == {"0": 2, "2": 1}
     assert m["groups_dropped_stale"] == 2 and m["staleness_max"] == 2
     for key in ("loss", "ratio_mean", "ratio_max", "ratio_min", "clip_fraction", "clip_low_fraction",
-                "clip_high_fraction", "is_weight_mean", "is_truncated_fraction", "kl_mean"):
+                "clip_high_fraction", "is_weight_mean", "is_truncated_fraction", "kl_mean", "log_ratio_m2",
+                "is_weight_m2", "ess", "masked_fraction"):
         assert key in m and m[key] == m[key], key  # present and not NaN
+    assert set(m["masked_by_staleness"]) == {"0", "2"}  # one entry per version gap trained on
+    assert 0.0 < m["ess"] <= 1.0
     assert m["ratio_min"] <= m["ratio_mean"] <= m["ratio_max"]
     assert m["grad_norm"] > 0 and m["tokens_per_s"] > 0 and m["micro_batches"] == 1 and m["lr"] == 1e-2
     assert 0.0 < m["entropy_mean"] <= math.log(learner.vocab_size)  # nats, at most uniform over the vocabulary

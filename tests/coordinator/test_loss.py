@@ -139,7 +139,149 @@ def test_kl_is_added_after_the_importance_weight():
 
 def test_loss_config_validation():
     assert LossConfig().validate() == LossConfig()
+    for good in (dict(correction="m2po"), dict(correction="aipo"), dict(correction="decoupled"),
+                 dict(dual_clip=0.0), dict(dual_clip=1.5), dict(stale_weighting="decay")):
+        LossConfig(**good).validate()
     for bad in (dict(loss_type="ppo"), dict(correction="magic"), dict(epsilon=0.0), dict(is_cap=0.5),
-                dict(beta=-1.0), dict(scale_rewards="batch")):
+                dict(beta=-1.0), dict(scale_rewards="batch"), dict(dual_clip=1.0), dict(dual_clip=-3.0),
+                dict(aipo_cap=0.5), dict(m2_threshold=0.0), dict(prox_lag=0), dict(stale_weighting="ess"),
+                dict(stale_half_life=0.0)):
         with pytest.raises(ValueError):
             LossConfig(**bad).validate()
+
+
+# --- corrections for stale samples (coordinator/corrections.py) ---------------------------------
+
+
+def _grad(cfg: LossConfig, p, mu, adv, mask=None):
+    logps = torch.log(torch.tensor(p)).requires_grad_(True)
+    sampling = torch.log(torch.tensor(mu))
+    mask = torch.ones_like(logps) if mask is None else torch.tensor(mask)
+    out = grpo_loss(logps, sampling, torch.tensor(adv), mask, cfg)
+    out.loss.backward()
+    return out, logps.grad
+
+
+def test_dual_clip_bounds_a_negative_advantage_on_a_token_the_policy_now_favours():
+    # ratios pi/mu = [4, 1], A = -1, token-mean normalisation
+    p, mu = [[0.8, 0.3]], [[0.2, 0.3]]
+    plain, g_plain = _grad(LossConfig(loss_type="dapo", correction="clip", dual_clip=0.0), p, mu, [-1.0])
+    # without dual-clip: -min(rA, clip(r)A) = |A| max(r, clip(r)) = [4, 1] -> mean 2.5
+    assert plain.loss.item() == pytest.approx(2.5, rel=1e-5)
+    assert g_plain[0, 0].item() == pytest.approx(4 / 2, rel=1e-5)  # d(r)/d(log pi) = r, / 2 tokens
+    dual, g_dual = _grad(LossConfig(loss_type="dapo", correction="clip", dual_clip=3.0), p, mu, [-1.0])
+    # dual-clip c = 3: min(|A| max(r, clip r), c|A|) = [3, 1] -> 2.0, and the r = 4 token has no gradient
+    assert dual.loss.item() == pytest.approx(2.0, rel=1e-5)
+    assert g_dual[0, 0].item() == 0.0 and g_dual[0, 1].item() == pytest.approx(0.5, rel=1e-5)
+    assert dual.masked_fraction == pytest.approx(1 / 2)
+    loose, _ = _grad(LossConfig(loss_type="dapo", correction="clip", dual_clip=5.0), p, mu, [-1.0])
+    assert loose.loss.item() == pytest.approx(2.5, rel=1e-5)  # r = 4 < c = 5: no bound
+    pos, _ = _grad(LossConfig(loss_type="dapo", correction="clip", dual_clip=3.0), p, mu, [1.0])
+    assert pos.loss.item() == pytest.approx((-1.28 - 1.0) / 2, rel=1e-5)  # A > 0 is never dual-clipped
+
+
+def test_aipo_caps_the_ratio_one_sided_and_stops_the_gradient_above_the_cap():
+    logps, sampling, mask, adv = _setup()
+    logps.requires_grad_(True)
+    out = grpo_loss(logps, sampling, adv, mask, LossConfig(loss_type="dapo", correction="aipo", aipo_cap=1.5))
+    # -min(r, 1.5) A: seq0 (A=+1) r [1, 2, 1] -> [-1, -1.5, -1]; seq1 (A=-1) r [0.5, 1] -> [0.5, 1]
+    assert out.loss.item() == pytest.approx((-3.5 + 1.5) / 5, rel=1e-5)
+    assert out.is_truncated_fraction == pytest.approx(1 / 5) and out.masked_fraction == pytest.approx(1 / 5)
+    out.loss.backward()
+    g = logps.grad
+    assert g[0, 1].item() == 0.0  # above the cap
+    assert g[0, 0].item() == pytest.approx(-1 / 5, rel=1e-5)  # -A r / N
+    assert g[1, 0].item() == pytest.approx(0.5 / 5, rel=1e-5)  # below the cap the full IS weight, either sign
+
+
+def _m2po_rows():
+    # mu = 0.25 everywhere; ratios seq0 [1, 2, 1.1], seq1 [0.6, 1] (+ padding)
+    ratios = torch.tensor([[1.0, 2.0, 1.1], [0.6, 1.0, 1.0]])
+    sampling = torch.full((2, 3), math.log(0.25))
+    logps = (torch.log(ratios) + sampling).requires_grad_(True)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    return logps, sampling, mask, torch.tensor([1.0, -1.0])
+
+
+def test_m2po_masks_the_largest_second_moments_until_the_rest_is_under_tau():
+    from asyncrl.coordinator.corrections import m2po_keep_mask
+
+    logps, sampling, mask, _ = _m2po_rows()
+    log_r = (logps.detach() - sampling) * mask
+    # (log r)^2 = [0, .48045, .00908, .26094, 0]; mean of the k smallest: 5 -> .1501, 4 -> .0675, 3 -> .0030
+    expect = {0.2: [], 0.1: [(0, 1)], 0.04: [(0, 1), (1, 0)], 0.001: [(0, 1), (1, 0), (0, 2)]}
+    for tau, masked in expect.items():
+        keep = m2po_keep_mask(log_r, mask, tau)
+        want = mask.bool().clone()
+        for i, j in masked:
+            want[i, j] = False
+        assert torch.equal(keep, want), tau
+    assert not m2po_keep_mask(torch.full((1, 2), math.log(2.0)), torch.ones(1, 2), 0.04).any()  # no token under tau
+
+
+def test_m2po_loss_is_the_masked_importance_weighted_advantage():
+    logps, sampling, mask, adv = _m2po_rows()
+    out = grpo_loss(logps, sampling, adv, mask, LossConfig(loss_type="dapo", correction="m2po", m2_threshold=0.04))
+    # kept: seq0 r [1, -, 1.1] with A=+1 -> -1, -1.1; seq1 r [-, 1] with A=-1 -> +1; normalised by all 5 tokens
+    assert out.loss.item() == pytest.approx((-1 - 1.1 + 1) / 5, rel=1e-5)
+    assert out.masked_fraction == pytest.approx(2 / 5)
+    out.loss.backward()
+    assert logps.grad[0, 1].item() == 0.0 and logps.grad[1, 0].item() == 0.0
+    assert logps.grad[0, 2].item() == pytest.approx(-1.1 / 5, rel=1e-5)  # no clipping on a kept token
+    # a mask precomputed over the whole step (micro-batching) is used as given
+    logps.grad = None
+    keep = torch.ones(2, 3, dtype=torch.bool)
+    full = grpo_loss(logps, sampling, adv, mask, LossConfig(loss_type="dapo", correction="m2po"), keep=keep)
+    assert full.loss.item() == pytest.approx((-1 - 2 - 1.1 + 0.6 + 1) / 5, rel=1e-5)
+
+
+def test_off_policy_statistics_second_moments_ess_and_masking_by_staleness():
+    logps, sampling, mask, adv = _setup()
+    out = grpo_loss(logps, sampling, adv, mask, LossConfig(correction="clip"), staleness=torch.tensor([0, 7]))
+    # r = [1, 2, 1, .5, 1]
+    ln2 = math.log(2.0)
+    assert out.log_ratio_m2 == pytest.approx(2 * ln2 ** 2 / 5, rel=1e-5)
+    assert out.is_weight_m2 == pytest.approx((1 + 4 + 1 + 0.25 + 1) / 5, rel=1e-5)
+    assert out.ess == pytest.approx(5.5 ** 2 / (5 * 7.25), rel=1e-5)
+    # clipped: seq0 t1 (gap 0: 1 of 3 tokens), seq1 t0 (gap 7, band "5-8": 1 of 2)
+    assert out.masked_fraction == pytest.approx(2 / 5)
+    assert out.masked_by_staleness == pytest.approx({"0": 1 / 3, "5-8": 1 / 2})
+    assert out.metrics()["masked_by_staleness"] == out.masked_by_staleness
+    # one weight of e^400 neither overflows the ESS nor turns it into NaN
+    huge = grpo_loss(torch.tensor([[0.0, 0.0]]), torch.tensor([[-400.0, 0.0]]), torch.tensor([1.0]),
+                     torch.ones(1, 2), LossConfig(correction="none"))
+    assert huge.ess == pytest.approx(0.5, rel=1e-6) and math.isfinite(huge.is_weight_m2)
+
+
+def test_decay_row_weights_rebalance_a_step_by_version_gap():
+    from asyncrl.coordinator.corrections import decay_row_weights
+
+    # 0.5 ** (gap / 8) = [1, 1, .5, .5], normalised to mean 1
+    assert decay_row_weights([0, 0, 8, 8], 8.0).tolist() == pytest.approx([4 / 3, 4 / 3, 2 / 3, 2 / 3], rel=1e-6)
+    assert decay_row_weights([5, 5, 5], 8.0).tolist() == pytest.approx([1.0] * 3)  # all alike: unchanged
+    # the loss multiplies each row's policy term by its weight
+    logps, sampling, mask, adv = _setup()
+    w = torch.tensor([0.5, 1.5])
+    out = grpo_loss(logps, sampling, adv, mask, LossConfig(loss_type="dapo", correction="none"), row_weights=w)
+    assert out.loss.item() == pytest.approx((-0.5 * 3 + 1.5 * 2) / 5, rel=1e-5)
+
+
+def test_decoupled_anchors_the_trust_region_at_most_prox_lag_versions_behind():
+    # mu = 0.2 everywhere; row 0 is 16 versions stale with r = [4, 1.21], row 1 is 4 stale with r = [4, 1]
+    logps = torch.log(torch.tensor([[0.8, 0.242], [0.8, 0.2]])).requires_grad_(True)
+    sampling = torch.log(torch.full((2, 2), 0.2))
+    cfg = LossConfig(loss_type="dapo", correction="decoupled", prox_lag=8, is_cap=3.0)
+    out = grpo_loss(logps, sampling, torch.tensor([1.0, 1.0]), torch.ones(2, 2), cfg,
+                    staleness=torch.tensor([16, 4]))
+    # row 0: alpha = (16 - 8) / 16 = 1/2 -> rho = r^(1/2) = [2, 1.1], w = min(r^(1/2), 3) = [2, 1.1]
+    #   t0: -min(2, clip(2) = 1.28) * 2 = -2.56 (clipped), t1: -1.1 * 1.1 = -1.21
+    # row 1: 4 <= prox_lag -> plain clip against mu: -min(4, 1.28) = -1.28, -1
+    assert out.loss.item() == pytest.approx((-2.56 - 1.21 - 1.28 - 1.0) / 4, rel=1e-4)
+    assert out.clip_fraction == pytest.approx(2 / 4) and out.masked_fraction == pytest.approx(2 / 4)
+    out.loss.backward()
+    g = logps.grad
+    assert g[0, 0].item() == 0.0 and g[1, 0].item() == 0.0
+    assert g[0, 1].item() == pytest.approx(-1.21 / 4, rel=1e-4)  # unclipped: the full IS weight rho * w = r
+    assert g[1, 1].item() == pytest.approx(-1.0 / 4, rel=1e-4)
+    with pytest.raises(ValueError):
+        grpo_loss(logps, sampling, torch.tensor([1.0, 1.0]), torch.ones(2, 2), cfg)  # needs row staleness

@@ -28,7 +28,9 @@ def feed(stats: RunStats, clock: FakeClock) -> None:
         stats.observe("step", {"t": clock.t, "step": step, "version": step - 1, "reward_mean": 0.1 * step,
                                "loss": -0.5, "groups": 3, "dropped_stale": 0, "staleness": [0, 1, 2],
                                "clip_fraction": 0.1, "seconds": 0.2, "tokens": 20, "grad_norm": 0.5 * step,
-                               "entropy_mean": 2.0, "lr": 1e-3, "tokens_per_s": 100.0})
+                               "entropy_mean": 2.0, "lr": 1e-3, "tokens_per_s": 100.0, "ess": 1.0 - 0.1 * step,
+                               "masked_fraction": 0.05 * step, "log_ratio_m2": 0.01 * step, "is_weight_m2": 1.5,
+                               "masked_by_staleness": {"0": 0.0, "2": 0.1 * step}})
         stats.observe("publish", {"t": clock.t, "version": step, "codec": "d", "compressed_bytes": 10,
                                   "raw_bytes": 400})
     stats.observe("dropped", {"t": clock.t, "groups": 2, "reason": "stale"})
@@ -49,6 +51,11 @@ def test_run_stats_counts_events():
     assert s["curves"]["reward_avg"] == pytest.approx([0.1, 0.15, 0.2])
     assert s["curves"]["staleness"] == pytest.approx([1.0, 1.0, 1.0])
     assert s["publishes"][0]["version"] == 3  # newest first
+    assert s["curves"]["ess"] == pytest.approx([0.9, 0.8, 0.7])
+    assert s["curves"]["masked_fraction"] == pytest.approx([0.05, 0.1, 0.15])
+    assert s["last_step"]["log_ratio_m2"] == pytest.approx(0.03) and s["last_step"]["is_weight_m2"] == 1.5
+    # masked-by-staleness: each gap's fraction averaged over the recent steps
+    assert s["off_policy"]["masked_by_staleness"] == pytest.approx({"0": 0.0, "2": 0.2})
     assert s["throughput"]["rollouts_per_s"] == pytest.approx(36 / 60)
     assert s["throughput"]["tokens_per_s"] == pytest.approx(60 / 60)
     clock.t += 3600  # the throughput window forgets, the totals do not
@@ -127,6 +134,10 @@ def test_prometheus_exposition_has_learner_and_swarm_metrics():
     assert samples[("asyncrl_adapter_publish_bytes_total", (("kind", "compressed"),))] == 130
     assert samples[("asyncrl_learner_reward_mean", ())] == pytest.approx(0.3)
     assert samples[("asyncrl_learner_loss", ())] == pytest.approx(-0.5)
+    assert samples[("asyncrl_learner_is_ess", ())] == pytest.approx(0.7)
+    assert samples[("asyncrl_learner_masked_fraction", ())] == pytest.approx(0.15)
+    assert samples[("asyncrl_learner_log_ratio_m2", ())] == pytest.approx(0.03)
+    assert samples[("asyncrl_learner_is_weight_m2", ())] == pytest.approx(1.5)
     assert samples[("asyncrl_learner_staleness_versions_bucket", (("le", "1.0"),))] == 6
     assert samples[("asyncrl_learner_staleness_versions_count", ())] == 9
     assert samples[("asyncrl_learner_queued_groups", ())] == 5

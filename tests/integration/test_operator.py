@@ -117,6 +117,8 @@ def test_metrics_endpoint_serves_learner_and_swarm_metrics(swarm):
     assert samples[("asyncrl_adapter_publish_bytes_total", (("kind", "compressed"),))] > 0
     assert ("asyncrl_learner_reward_mean", ()) in samples and ("asyncrl_learner_loss", ()) in samples
     assert samples[("asyncrl_learner_staleness_versions_count", ())] >= 2
+    assert 0.0 < samples[("asyncrl_learner_is_ess", ())] <= 1.0  # real volunteers' batches, real IS weights
+    assert 0.0 <= samples[("asyncrl_learner_masked_fraction", ())] <= 1.0
     assert samples[("asyncrl_swarm_batches_accepted_total", ())] >= 2
     assert samples[("asyncrl_swarm_rollouts_total", ())] > 0
     assert samples[("asyncrl_swarm_volunteers", (("state", "known"),))] == 2
@@ -185,6 +187,8 @@ def test_dashboard_in_headless_chromium(swarm):
         assert re.fullmatch(r"v\d+", driver.find_element(By.ID, "version").text)
         WebDriverWait(driver, 60).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#reward_chart polyline"))
         assert driver.find_elements(By.CSS_SELECTOR, "#staleness_chart polyline")
+        assert len(driver.find_elements(By.CSS_SELECTOR, "#offpolicy_chart polyline")) == 2  # ESS, masked
+        assert 0.0 < float(driver.find_element(By.ID, "ess").text) <= 1.0
         assert driver.find_element(By.ID, "join").text == swarm.join_command
         ARTIFACTS.mkdir(exist_ok=True)
         assert driver.save_screenshot(str(ARTIFACTS / "dashboard.png"))
