@@ -13,8 +13,10 @@ Every run: same number of trainer steps, `max_staleness` unlimited, one optimize
 publish_every 1; seeds vary the LoRA init, the prompts and the sampling (the tiny base model is fixed).
 Arms: `--corrections A,B,...`, the first is "corrected", the second "uncorrected"; each arm is a
 `--correction` name with optional LossConfig overrides, `name[:field=value;...]` (e.g.
-`clip:dual_clip=0`, `m2po:m2_threshold=0.1`). Defaults: the coordinator's default correction
-(`LossConfig().correction`) vs `none` (stale samples trained as if on-policy).
+`clip:dual_clip=0`, `m2po:m2_threshold=0.1`; `max_staleness=N` sets the learner's drop bound). Defaults:
+the coordinator's default correction (`LossConfig().correction`, "decoupled") vs `none` (stale samples
+trained as if on-policy). `--stale-fraction F < 1` makes each step mixed: a fraction F of the groups k
+versions behind, the rest from the newest adapter (a swarm of fast and slow volunteers).
 
 `final_reward` is measured, not read off stale training batches: the adapter generates on a fixed set
 of held-out prompts (`--eval-prompts` x `--eval-samples`) at step 0, every `--eval-every` steps and at
@@ -36,6 +38,7 @@ import json
 import math
 import statistics
 import sys
+import textwrap
 import time
 from collections import deque
 from pathlib import Path
@@ -217,7 +220,9 @@ def plot(runs: dict, ks: list[int], arms: list[str], seeds: list[int], path: Pat
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {k: c for k, c in zip(sorted(ks), ("#222222", "#1f77b4", "#2ca02c", "#d62728", "#9467bd", "#8c564b"))}
+    palette = {0: "#222222", 8: "#1f77b4", 32: "#2ca02c", 128: "#d62728"}
+    spare = iter(("#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"))
+    colors = {k: palette.get(k) or next(spare, "#999999") for k in sorted(ks)}
     fig, axes = plt.subplots(1, len(arms), figsize=(5.2 * len(arms), 3.8), sharey=True, squeeze=False)
     for ax, arm in zip(axes[0], arms):
         for k in ks:
@@ -233,7 +238,7 @@ def plot(runs: dict, ks: list[int], arms: list[str], seeds: list[int], path: Pat
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("held-out reward")
     axes[0][0].legend(loc="upper left")
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(textwrap.fill(title, 60 * len(arms)), fontsize=9)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)

@@ -111,7 +111,7 @@ def token_term(logps: torch.Tensor, sampling_logps: torch.Tensor, advantages: to
     """The correction's per-token term. logps (with grad), sampling_logps, mask: [B, T]; advantages: [B].
 
     `keep` (m2po only): a precomputed M2PO mask over the whole step; computed from these rows if None.
-    `row_staleness` [B]: each row's version gap (decoupled needs it; the others ignore it).
+    `row_staleness` [B]: each row's version gap (decoupled: None = every row fresh; the others ignore it).
     """
     import torch
 
@@ -126,9 +126,9 @@ def token_term(logps: torch.Tensor, sampling_logps: torch.Tensor, advantages: to
     if c in ("clip", "aipo", "m2po"):
         ratio = torch.exp((logps - sampling_logps) * mask)  # pi/mu, with the gradient
     elif c == "decoupled":
-        if row_staleness is None:
-            raise ValueError("correction 'decoupled' needs each row's staleness")
-        gap = row_staleness.to(logps.device, logps.dtype).view(-1, 1)
+        # rows without a version gap are fresh (the learner always passes the gaps: `collate_rows`)
+        gap = (torch.zeros(logps.shape[0], device=logps.device, dtype=logps.dtype) if row_staleness is None
+               else row_staleness.to(logps.device, logps.dtype)).view(-1, 1)
         alpha = torch.where(gap > cfg.prox_lag, (gap - cfg.prox_lag) / gap.clamp(min=1.0), torch.zeros_like(gap))
         log_prox = sampling_logps + alpha * (logps.detach() - sampling_logps)
         ratio = torch.exp((logps - log_prox) * mask)  # pi/pi_prox = r^(1 - alpha), with the gradient

@@ -11,7 +11,8 @@ Variant (and sources):
   sampling logprobs mu, with dual-clip for A < 0), "tis-token" / "tis-sequence" (truncated IS on
   decoupled PPO), "aipo" (one-sided capped IS), "m2po" (second-moment trust region), "decoupled"
   (decoupled PPO whose proximal policy is at most `prox_lag` versions behind), "none" (stale data as
-  on-policy: the staleness benchmark's uncorrected arm). Default: "clip".
+  on-policy: the staleness benchmark's uncorrected arm). Default: "decoupled" with prox_lag 4 — at most
+  4 versions stale it *is* "clip"; docs/staleness.md has the measurements behind the choice.
 - Staleness-aware weighting, `stale_weighting` (default "none"): "decay" multiplies each row's policy
   term by 0.5^(gap / stale_half_life), normalised to mean 1 over the step's rows (`decay_row_weights`).
 - Loss normalisation, `loss_type` (TRL semantics):
@@ -82,14 +83,14 @@ def staleness_bands(gaps: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class LossConfig:
     loss_type: LossType = "grpo"
-    correction: Correction = "clip"
+    correction: Correction = "decoupled"
     epsilon: float = 0.2
     epsilon_high: float = 0.28
     is_cap: float = 2.0  # tis-*, decoupled: truncation cap of the IS weight
     dual_clip: float = 3.0  # clip/m2po/decoupled: dual-clip constant c for A < 0 (Ye et al. 2020); 0 = off
     aipo_cap: float = 8.0  # aipo: ratio cap delta (prime-rl's clip_ratio default)
     m2_threshold: float = 0.04  # m2po: tau, the bound on the kept tokens' mean (log r)^2
-    prox_lag: int = 8  # decoupled: the proximal policy (trust-region anchor) is at most this many versions behind
+    prox_lag: int = 4  # decoupled: the proximal policy (trust-region anchor) is at most this many versions behind
     stale_weighting: StaleWeighting = "none"  # per-row weights by version gap, corrections.decay_row_weights.
     stale_half_life: float = 8.0  # stale_weighting "decay": versions for a row's weight to halve
     scale_rewards: ScaleRewards = "group"

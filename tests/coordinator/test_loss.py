@@ -283,5 +283,9 @@ def test_decoupled_anchors_the_trust_region_at_most_prox_lag_versions_behind():
     assert g[0, 0].item() == 0.0 and g[1, 0].item() == 0.0
     assert g[0, 1].item() == pytest.approx(-1.21 / 4, rel=1e-4)  # unclipped: the full IS weight rho * w = r
     assert g[1, 1].item() == pytest.approx(-1.0 / 4, rel=1e-4)
-    with pytest.raises(ValueError):
-        grpo_loss(logps, sampling, torch.tensor([1.0, 1.0]), torch.ones(2, 2), cfg)  # needs row staleness
+    # without version gaps every row is fresh: the default correction is then exactly `clip`
+    as_clip = grpo_loss(logps, sampling, torch.tensor([1.0, 1.0]), torch.ones(2, 2), cfg)
+    clip = grpo_loss(logps, sampling, torch.tensor([1.0, 1.0]), torch.ones(2, 2),
+                     LossConfig(loss_type="dapo", correction="clip"))
+    assert as_clip.loss.item() == pytest.approx(clip.loss.item(), rel=1e-6)
+    assert LossConfig().correction == "decoupled" and LossConfig().prox_lag == 4
