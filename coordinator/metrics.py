@@ -143,7 +143,7 @@ class RunStats:
                 },
                 "off_policy": {
                     "window_steps": OFF_POLICY_WINDOW,
-                    "masked_by_staleness": {g: sum(by_gap[g]) / len(by_gap[g]) for g in sorted(by_gap, key=int)},
+                    "masked_by_staleness": {g: sum(by_gap[g]) / len(by_gap[g]) for g in sorted(by_gap, key=_band_low)},
                 },
                 "curves": {
                     "step": [steps[i]["step"] for i in keep],
@@ -154,6 +154,11 @@ class RunStats:
                     "staleness_max": [steps[i]["staleness_max"] for i in keep],
                 },
             }
+
+
+def _band_low(label: str) -> int:
+    """The lowest version gap of a masked-by-staleness band label ("2", "3-4", "129+"), for ordering."""
+    return int(label.split("-")[0].rstrip("+"))
 
 
 class SwarmCollector:

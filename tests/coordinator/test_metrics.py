@@ -30,7 +30,8 @@ def feed(stats: RunStats, clock: FakeClock) -> None:
                                "clip_fraction": 0.1, "seconds": 0.2, "tokens": 20, "grad_norm": 0.5 * step,
                                "entropy_mean": 2.0, "lr": 1e-3, "tokens_per_s": 100.0, "ess": 1.0 - 0.1 * step,
                                "masked_fraction": 0.05 * step, "log_ratio_m2": 0.01 * step, "is_weight_m2": 1.5,
-                               "masked_by_staleness": {"0": 0.0, "2": 0.1 * step}})
+                               "masked_by_staleness": {"0": 0.0, "129+": 0.3, "3-4": 0.05 * step,
+                                                       "2": 0.1 * step}})
         stats.observe("publish", {"t": clock.t, "version": step, "codec": "d", "compressed_bytes": 10,
                                   "raw_bytes": 400})
     stats.observe("dropped", {"t": clock.t, "groups": 2, "reason": "stale"})
@@ -55,7 +56,9 @@ def test_run_stats_counts_events():
     assert s["curves"]["masked_fraction"] == pytest.approx([0.05, 0.1, 0.15])
     assert s["last_step"]["log_ratio_m2"] == pytest.approx(0.03) and s["last_step"]["is_weight_m2"] == 1.5
     # masked-by-staleness: each gap's fraction averaged over the recent steps
-    assert s["off_policy"]["masked_by_staleness"] == pytest.approx({"0": 0.0, "2": 0.2})
+    # (the learner's band labels, STALENESS_BAND_LABELS, in order of their version gap)
+    assert s["off_policy"]["masked_by_staleness"] == pytest.approx({"0": 0.0, "2": 0.2, "3-4": 0.1, "129+": 0.3})
+    assert list(s["off_policy"]["masked_by_staleness"]) == ["0", "2", "3-4", "129+"]
     assert s["throughput"]["rollouts_per_s"] == pytest.approx(36 / 60)
     assert s["throughput"]["tokens_per_s"] == pytest.approx(60 / 60)
     clock.t += 3600  # the throughput window forgets, the totals do not
