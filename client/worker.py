@@ -208,6 +208,8 @@ class Volunteer:
 
         if getattr(self, "engine", None) is None:  # first run(); a later call continues with what it has
             current = self.wait_for_adapter()
+            if current is None:  # stopped (SIGTERM/Ctrl-C) before the coordinator published anything
+                return self.status
             self.load_engine(current.manifest)
             self._load(current)
         backoff = 1.0

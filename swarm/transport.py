@@ -348,29 +348,38 @@ class SwarmNode:
             raise TransportError(f"{name} to {peer_id[-8:]}: {exc.__class__.__name__}: {exc}") from None
 
     # ---- DHT ------------------------------------------------------------------------------
-    def store(self, key: str, value: bytes, ttl: float, subkey: str | None = None,
-              timeout: float = DHT_STORE_TIMEOUT_S) -> bool:
-        """Raises TransportError when the DHT process is gone (e.g. SIGTERM/Ctrl-C reached the whole process
-        group) or does not answer in `timeout`, instead of blocking the caller (the learner loop) forever."""
-        from hivemind.utils import get_dht_time
-
+    def _dht_answer(self, what: str, call: Callable[[], Future], timeout: float):
+        """The result of one DHT call (`call` returns hivemind's MPFuture). Raises TransportError when the
+        DHT process is gone (e.g. SIGTERM/Ctrl-C reached the whole process group: its future would never
+        resolve) or does not answer in `timeout`, instead of blocking the caller (the learner loop, a
+        volunteer stopping) forever."""
         if not self.dht.is_alive():
-            raise TransportError(f"DHT store of {key!r}: the DHT process has exited")
-        future = self.dht.store(key, value, get_dht_time() + ttl, subkey=subkey, return_future=True)
+            raise TransportError(f"DHT {what}: the DHT process has exited")
+        future = call()
         deadline = time.monotonic() + timeout
         while True:
             try:
-                return bool(future.result(timeout=1.0))
+                return future.result(timeout=1.0)
             except TimeoutError:
                 if self.dht.is_alive() and time.monotonic() < deadline:
                     continue  # still working; a dead DHT process would never answer
-                raise TransportError(f"DHT store of {key!r}: no answer (DHT process alive: {self.dht.is_alive()})")
+                raise TransportError(f"DHT {what}: no answer (DHT process alive: {self.dht.is_alive()})")
             except Exception as exc:
-                raise TransportError(f"DHT store of {key!r}: {exc.__class__.__name__}: {exc}") from None
+                raise TransportError(f"DHT {what}: {exc.__class__.__name__}: {exc}") from None
 
-    def get(self, key: str, latest: bool = True):
-        """The raw value (bytes) or {subkey: bytes} for dictionary keys; None when absent."""
-        found = self.dht.get(key, latest=latest)
+    def store(self, key: str, value: bytes, ttl: float, subkey: str | None = None,
+              timeout: float = DHT_STORE_TIMEOUT_S) -> bool:
+        """True when some node took it; TransportError as in `_dht_answer`."""
+        from hivemind.utils import get_dht_time
+
+        return bool(self._dht_answer(f"store of {key!r}", lambda: self.dht.store(
+            key, value, get_dht_time() + ttl, subkey=subkey, return_future=True), timeout))
+
+    def get(self, key: str, latest: bool = True, timeout: float = DHT_GET_TIMEOUT_S):
+        """The raw value (bytes) or {subkey: bytes} for dictionary keys; None when absent; TransportError as
+        in `_dht_answer`."""
+        found = self._dht_answer(f"get of {key!r}", lambda: self.dht.get(key, latest=latest, return_future=True),
+                                 timeout)
         if found is None:
             return None
         value = found.value
