@@ -5,6 +5,9 @@
 
 Heavy imports (torch, hivemind, transformers) are deferred until after argument parsing, so `--help`
 answers at once and a bad address fails before anything starts.
+
+Exit codes: 0 done · 1 error · 2 bad arguments · 3 this machine cannot serve the run's pinned base model
+(the message starts with its `PinCode`, e.g. REVISION_MISMATCH; retrying will not help) · 130 aborted.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "together with --coordinator; several may be given (any one that answers suffices)")
     join.add_argument("--data-dir", type=Path, default=default_data_dir(), help="identity, outbox, status")
     join.add_argument("--name", default="", help="display name shown to the operator")
-    join.add_argument("--model", default=None, help="local copy of the base model (default: the manifest's)")
+    join.add_argument("--model", default=None, metavar="DIR",
+                      help="local copy of the base model (default: fetch the manifest's pinned revision); its "
+                           "content hash must match the run's pin, or the client refuses to start")
     join.add_argument("--max-batches", type=int, default=0, help="stop after this many acked batches (0 = never)")
     join.add_argument("--prompts-per-batch", type=int, default=4)
     join.add_argument("--client-mode", action="store_true",
@@ -63,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("--data-dir", type=Path, default=default_data_dir())
     keys.add_argument("--create", action="store_true", help="create the key if missing")
     return p
+
+
+EXIT_BASE_MISMATCH = 3
 
 
 def fail(message: str, code: int = 1) -> int:
@@ -179,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"{exc.code.value}: {exc.detail}")
     except KeyboardInterrupt:
         return fail("aborted; unsent batches stay in the outbox", 130)
-    except (BaseModelMismatch, EngineUnavailable, EngineFailed) as exc:
+    except BaseModelMismatch as exc:  # "<PinCode>: what differs, what to do"; nothing was generated or sent
+        return fail(str(exc), EXIT_BASE_MISMATCH)
+    except (EngineUnavailable, EngineFailed) as exc:
         return fail(str(exc))
     except Exception as exc:
         if exc.__class__.__name__ == "OutOfMemoryError":

@@ -5,8 +5,14 @@ per-token log-probabilities *of the distribution that was sampled from* (after t
 top-p processing) — the behaviour policy the learner corrects against.
 `Engine.load_adapter(version, specs, blobs)` hot-swaps the LoRA adapter for a new version.
 
-Implementations: `TransformersEngine` (transformers + peft; the CPU/test fallback). The vLLM engine
-plugs in here too.
+Stop rule (the same in every engine, and what ingest re-derives): generation of a sequence ends at the
+first token in `stop_token_ids` — the set the manifest publishes (models/pinning.py: generation_config
+eos set + tokenizer eos; Qwen2.5-Instruct: <|im_end|>, <|endoftext|>) — which is kept as the last token
+("stop"), or after `max_new_tokens` / at the model's context limit ("length"). `finish_reason` comes from
+`protocol.messages.derive_finish_reason`, never from an engine's own string alone.
+
+Implementations: `TransformersEngine` (transformers + peft; the CPU/test fallback) and `VLLMEngine`
+(client/engine_vllm.py).
 """
 
 from __future__ import annotations
@@ -16,14 +22,14 @@ from typing import Protocol, Sequence
 
 import torch
 
-from asyncrl.protocol.messages import LoraSpec, SamplingParams
+from asyncrl.protocol.messages import LoraSpec, SamplingParams, derive_finish_reason
 
 
 @dataclass
 class Sample:
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" (EOS) or "length"
+    finish_reason: str  # "stop" (ends with a stop token) or "length" (protocol.messages.derive_finish_reason)
 
 
 class Engine(Protocol):
@@ -41,10 +47,13 @@ class TransformersEngine:
     name = "transformers"
 
     def __init__(self, model: str, lora: LoraSpec, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 seed: int = 0, max_model_len: int | None = None):
+                 seed: int = 0, max_model_len: int | None = None, stop_token_ids: Sequence[int] | None = None):
+        """`stop_token_ids`: the manifest's set; None reads it from the model directory (models/pinning.py)."""
         from asyncrl.models.lora import load_base_model, with_lora
+        from asyncrl.models.pinning import stop_token_ids as read_stop_ids
 
         base, self.tokenizer = load_base_model(model, dtype=dtype)
+        self.stop_token_ids = tuple(stop_token_ids) if stop_token_ids else read_stop_ids(model, self.tokenizer)
         self.model = with_lora(base, lora).to(device).eval()
         context = getattr(base.config, "max_position_embeddings", None)
         # prompt + completion tokens this engine serves (the volunteer skips leases beyond it)
@@ -69,9 +78,15 @@ class TransformersEngine:
     def generate(self, prompts: Sequence[list[int]], group_size: int,
                  sampling: SamplingParams) -> list[list[Sample]]:
         """Plain ancestral sampling with a KV cache; one batch row per (prompt, sample)."""
-        eos = self.tokenizer.eos_token_id
+        stops = torch.tensor(self.stop_token_ids, dtype=torch.long)
         pad = self.tokenizer.pad_token_id
         rows = [list(p) for p in prompts for _ in range(group_size)]
+        # Each row stops at max_new_tokens or at the model's context, as vLLM does.
+        budget = torch.tensor([sampling.max_new_tokens if self.context_limit is None
+                               else min(sampling.max_new_tokens, self.context_limit - len(r)) for r in rows])
+        if bool((budget < 1).any()):
+            raise ValueError(f"a prompt of {max(len(r) for r in rows)} tokens leaves no room in the model's "
+                             f"context of {self.context_limit}")
         width = max(len(r) for r in rows)
         input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
         attention = torch.zeros((len(rows), width), dtype=torch.long)
@@ -96,7 +111,7 @@ class TransformersEngine:
             token = torch.multinomial(logprobs.exp(), 1, generator=self.generator).squeeze(1)
             out_tokens[:, t] = torch.where(done, torch.full_like(token, pad), token)
             out_logps[:, t] = torch.where(done, torch.zeros(len(rows)), logprobs.gather(1, token[:, None]).squeeze(1))
-            newly = (~done) & (token == eos)
+            newly = (~done) & (torch.isin(token, stops) | (budget == t + 1))
             lengths[newly] = t + 1
             done |= newly
             if bool(done.all()):
@@ -112,8 +127,11 @@ class TransformersEngine:
             for j in range(group_size):
                 i = p * group_size + j
                 n = int(lengths[i])
-                group.append(Sample(token_ids=out_tokens[i, :n].tolist(), logprobs=out_logps[i, :n].tolist(),
-                                    finish_reason="stop" if bool(done[i]) else "length"))
+                tokens = out_tokens[i, :n].tolist()
+                group.append(Sample(token_ids=tokens, logprobs=out_logps[i, :n].tolist(),
+                                    finish_reason=derive_finish_reason(
+                                        tokens, self.stop_token_ids, max_new_tokens=sampling.max_new_tokens,
+                                        prompt_len=len(prompts[p]), context_limit=self.context_limit)))
             samples.append(group)
         return samples
 
@@ -152,7 +170,8 @@ def vllm_status() -> tuple[bool, str]:
 
 
 def make_engine(kind: str, model: str, lora: LoraSpec, *, gpu_memory_utilization: float = 0.85, seed: int = 0,
-                max_staleness: int = 4, max_model_len: int | None = None, out=print) -> Engine:
+                max_staleness: int = 4, max_model_len: int | None = None, stop_token_ids: Sequence[int] | None = None,
+                out=print) -> Engine:
     """`auto` → vLLM when CUDA and vllm are present, else transformers (saying why)."""
     if kind not in ("auto", "vllm", "transformers"):
         raise EngineUnavailable(f"unknown engine {kind!r}; choose auto, vllm or transformers")
@@ -170,10 +189,11 @@ def make_engine(kind: str, model: str, lora: LoraSpec, *, gpu_memory_utilization
             from .engine_vllm import VLLMEngine
 
             return VLLMEngine(model, lora, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
-                              max_staleness=max_staleness, max_model_len=max_model_len)
+                              max_staleness=max_staleness, max_model_len=max_model_len, stop_token_ids=stop_token_ids)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        return TransformersEngine(model, lora, device=device, dtype=dtype, seed=seed, max_model_len=max_model_len)
+        return TransformersEngine(model, lora, device=device, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                                  stop_token_ids=stop_token_ids)
     except torch.cuda.OutOfMemoryError as exc:
         raise EngineUnavailable(out_of_memory_hint(gpu_memory_utilization)) from exc
 

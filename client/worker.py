@@ -100,7 +100,13 @@ class EngineFailed(RuntimeError):
 
 
 class BaseModelMismatch(RuntimeError):
-    """The published adapter cannot be served by this volunteer's base model."""
+    """This volunteer cannot serve the run's base model: `.code` is a `models.pinning.PinCode` value (stable),
+    the message says what differs and what to do. Raised before anything is generated or sent."""
+
+    def __init__(self, code: str, detail: str):
+        self.code = str(code)
+        self.detail = detail
+        super().__init__(f"{self.code}: {detail}")
 
 
 class Volunteer:
@@ -184,21 +190,23 @@ class Volunteer:
             time.sleep(self.cfg.poll_s)
 
     def load_engine(self, manifest: messages.AdapterManifest):
-        from asyncrl.models import tinymodel
+        """Find exactly the base model the manifest pins (models/pinning.py), verify it, then start the engine."""
+        from asyncrl.models.pinning import PinError, locate, pin_of
 
         from .engine import make_engine
 
-        model = self.cfg.model or manifest.base_model
-        if model == tinymodel.TINY_MODEL_NAME:
-            path = tinymodel.write_tiny_model(tinymodel.default_tiny_model_dir())
-            if tinymodel.weights_revision(path) != manifest.base_revision:
-                raise RuntimeError(f"the built-in tiny model here ({tinymodel.weights_revision(path)}) differs from "
-                                   f"the coordinator's ({manifest.base_revision}); refusing to serve it")
-            model = str(path)
-        self.engine = make_engine(self.cfg.engine, model, manifest.lora, seed=self.cfg.seed,
+        pin = pin_of(manifest)
+        try:
+            base = locate(pin, override=self.cfg.model)
+        except PinError as exc:
+            raise BaseModelMismatch(exc.code.value, exc.detail) from None
+        if not self.cfg.quiet:
+            self.out(f"base model {pin.name} at {pin.short()} verified ({base.path})")
+        self.engine = make_engine(self.cfg.engine, base.path, manifest.lora, seed=self.cfg.seed,
                                   gpu_memory_utilization=self.cfg.gpu_memory_utilization,
-                                  max_model_len=self.cfg.max_model_len, out=self.out)
-        self.model_name = model
+                                  max_model_len=self.cfg.max_model_len, stop_token_ids=pin.stop_token_ids,
+                                  out=self.out)
+        self.model_name = base.path
 
     # ---- main loop --------------------------------------------------------------------------
     def run(self) -> VolunteerStatus:
@@ -285,7 +293,7 @@ class Volunteer:
             self.engine.load_adapter(adapter.version, adapter.manifest.tensors, adapter.tensors)
         except (ValueError, RuntimeError) as exc:  # shapes/names that do not fit this base model
             raise BaseModelMismatch(
-                f"the coordinator's adapter is for base model {adapter.manifest.base_model!r} "
+                "ADAPTER_MISMATCH", f"the coordinator's adapter is for base model {adapter.manifest.base_model!r} "
                 f"(revision {adapter.manifest.base_revision}); it does not fit {getattr(self, 'model_name', '?')!r}: "
                 f"{str(exc)[:200]}") from None
         self.serving_version = adapter.version  # what batches are tagged with (== the newest unless --hold-version)

@@ -1,10 +1,11 @@
-"""Operator subcommands that do not train: `status`, `keys`, `example-config`.
+"""Operator subcommands that do not train: `status`, `keys`, `example-config`, `export`.
 
     asyncrl-coordinator status --run-dir runs/demo        # asks the running coordinator's dashboard
     asyncrl-coordinator status --config coordinator.toml --json
     asyncrl-coordinator keys --run-dir runs/demo          # fingerprint + peer id of the run's key
     asyncrl-coordinator keys --run-dir runs/new --new     # create a key (never overwrites one)
     asyncrl-coordinator example-config > configs/coordinator.example.toml
+    asyncrl-coordinator export --run-dir runs/r1 --out out/adapter [--merge]   # coordinator/export.py
 
 `status` reads the dashboard URL from <run_dir>/dashboard.txt (or --url) and GETs /api/status; when
 no coordinator answers it falls back to what the run directory holds (summary.json, metrics.jsonl)
@@ -39,6 +40,9 @@ def add_subcommands(sub) -> None:
             p.add_argument("--key", default=None, help=f"key file (default: <run_dir>/{KEY_NAME})")
             p.add_argument("--new", action="store_true", help="create a new key; refuses to overwrite one")
     sub.add_parser("example-config", help="print an annotated TOML config with every field at its default")
+    from .export import add_subcommand
+
+    add_subcommand(sub)
 
 
 def run_dir_of(args) -> Path:
@@ -52,6 +56,10 @@ def run_dir_of(args) -> Path:
 
 
 def main(args) -> int:
+    if args.command == "export":
+        from .export import main as export_main
+
+        return export_main(args)
     try:
         if args.command == "example-config":
             from .config_file import example_toml

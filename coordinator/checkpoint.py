@@ -8,6 +8,9 @@ the components the hub hands in (this module never imports the hub). A checkpoin
                                param groups, scheduler, python/numpy RNG, task board (leases, requeue,
                                prompt-source position, counters), client stats, counters
         adapter.safetensors    trainable LoRA parameters, fp32, by PEFT name
+        adapter/               the same adapter as a standard PEFT directory (adapter_config.json with the
+                               pinned base + adapter_model.safetensors with standard names): what
+                               `PeftModel.from_pretrained` and vLLM's LoRARequest load (coordinator/export.py)
         optimizer.safetensors  AdamW state tensors ("state.<param index>.<key>")
         rng.safetensors        torch (and CUDA) RNG states
         seen_ids.bin           every accepted batch id (32 bytes each) -> DUPLICATE_BATCH after resume
@@ -15,7 +18,8 @@ the components the hub hands in (this module never imports the hub). A checkpoin
         replay_guard.msgpack   protocol.envelope.ReplayGuard state (nonces stay single-use)
 
 written into `.tmp-...` and renamed into place (a crash leaves a whole checkpoint or none); the last
-`keep` (2) are retained. No pickle anywhere: safetensors + JSON + msgpack.
+`keep` (2) are retained. No pickle anywhere: safetensors + JSON + msgpack. The end of a run also copies
+the final checkpoint's `adapter/` to `<run_dir>/adapter/`.
 
 Consistency: the snapshot is taken with the `Gate` closed, i.e. with no lease or submit handler in
 flight, so board, seen ids, journal and learner queue describe the same instant.
@@ -104,6 +108,16 @@ def record_published(run_dir: Path, version: int) -> None:
 def last_published(run_dir: Path) -> int | None:
     path = Path(run_dir) / "lineage.json"
     return int(json.loads(path.read_text())["last_published_version"]) if path.exists() else None
+
+
+def latest_meta(run_dir: Path) -> dict | None:
+    """meta.json of the newest complete checkpoint in a run dir, read-only (None when there is none)."""
+    for path in sorted((Path(run_dir) / "checkpoints").glob(f"{PREFIX}*"), reverse=True):
+        try:
+            return json.loads((path / "meta.json").read_text())
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def _ids_bytes(ids) -> bytes:
@@ -231,9 +245,12 @@ class Checkpointer:
         for name, group in tensors.items():
             write_durable(tmp / f"{name}.safetensors", save({k: v.contiguous() for k, v in group.items()}))
         for name, data in blobs.items():
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)  # "adapter/adapter_config.json"
             write_durable(tmp / name, data)
         write_durable(tmp / "meta.json", json.dumps({"format": FORMAT, "step": step, **meta}).encode())
         final = self.root / f"{PREFIX}{step:08d}-{time.time_ns()}"
+        for sub in {(tmp / name).parent for name in blobs} - {tmp}:
+            fsync_dir(sub)
         fsync_dir(tmp)  # the files' directory entries, then the rename itself
         os.rename(tmp, final)
         fsync_dir(self.root)
@@ -242,13 +259,32 @@ class Checkpointer:
         return final
 
 
+@dataclass(frozen=True)
+class AdapterExport:
+    """What each checkpoint's standard PEFT directory says about its base (coordinator/export.py reads it)."""
+
+    lora: object             # protocol.messages.LoraSpec
+    base_model: str          # adapter_config's base_model_name_or_path: the hub id, or the local directory
+    revision: str | None     # the pinned hub commit (PEFT's `revision`); None for a local directory
+    pin: dict                # models.pinning.BasePin fields: `export --merge` verifies the base against them
+
+    def files(self, model) -> dict[str, bytes]:
+        from peft import get_peft_model_state_dict
+
+        from asyncrl.models.lora import peft_dir_files
+
+        state = {k: v.detach().to("cpu", torch.float32).clone() for k, v in get_peft_model_state_dict(model).items()}
+        files = peft_dir_files(self.lora, self.base_model, state, revision=self.revision)
+        return {f"adapter/{name}": data for name, data in files.items()}
+
+
 def identity_meta(*, run_id: str, base_model: str, base_revision: str, lora) -> dict:
     return {"run_id": run_id, "base_model": base_model, "base_revision": base_revision,
             "lora": {"r": lora.r, "alpha": lora.alpha, "target_modules": sorted(lora.target_modules)}}
 
 
 def save(checkpointer: Checkpointer, *, gate: Gate, learner, board, ingest, identity: dict,
-         extra: dict | None = None, held=None) -> Path:
+         extra: dict | None = None, held=None, export: AdapterExport | None = None) -> Path:
     """Snapshot everything (handlers held off only while copying in memory), then write it. `held()`:
     accepted batches the learner loop holds outside the ingest queue (the --sync round's)."""
     with gate.closed():
@@ -267,9 +303,12 @@ def save(checkpointer: Checkpointer, *, gate: Gate, learner, board, ingest, iden
     meta = {**identity, "version": learner.version, "learner_steps": learner.steps, "created_at": time.time(),
             "optimizer": opt_meta, "scheduler": _scheduler_state(learner), "rng": rng_meta, "board": board_state,
             "clients": clients, "extra": extra or {}}
+    blobs = {"seen_ids.bin": _ids_bytes(seen), "pending_ids.bin": _ids_bytes(pending), "replay_guard.msgpack": guard}
+    if export is not None:
+        meta["base_pin"] = export.pin
+        blobs.update(export.files(learner.model))
     path = checkpointer.write(learner.steps, meta, {"adapter": adapter, "optimizer": opt_tensors, "rng": rng_tensors},
-                              {"seen_ids.bin": _ids_bytes(seen), "pending_ids.bin": _ids_bytes(pending),
-                               "replay_guard.msgpack": guard})
+                              blobs)
     return path
 
 
@@ -342,7 +381,7 @@ class Checkpointing:
     (SIGTERM/SIGINT and max_steps both end the learner loop, so both get a checkpoint)."""
 
     def __init__(self, run_dir: Path, *, every: int, keep: int, gate: Gate, learner, board, ingest, journal,
-                 identity: dict, resume: bool = True, held=None, out=print):
+                 identity: dict, resume: bool = True, held=None, out=print, export: AdapterExport | None = None):
         self.run_dir = Path(run_dir)
         if not resume:
             self._archive_previous(journal, out)
@@ -351,6 +390,7 @@ class Checkpointing:
         self.learner, self.board, self.ingest, self.journal = learner, board, ingest, journal
         self.identity = identity
         self.held = held
+        self.export = export
         self.out = out
         self.store = Checkpointer(self.run_dir / "checkpoints", keep=keep, out=out)
         self._covered: set[bytes] = set()  # batches trained as of the older retained checkpoint
@@ -385,7 +425,7 @@ class Checkpointing:
     def save(self) -> Path:
         t0 = time.perf_counter()
         path = save(self.store, gate=self.gate, learner=self.learner, board=self.board, ingest=self.ingest,
-                    identity=self.identity, held=self.held)
+                    identity=self.identity, held=self.held, export=self.export)
         # Journal entries the *older* retained checkpoint already covers can go: resuming from either
         # retained checkpoint never needs them.
         self.journal.discard_trained(self._covered)
@@ -400,8 +440,29 @@ class Checkpointing:
         return None
 
     def final(self) -> Path | None:
+        """The last checkpoint, and its PEFT directory copied to `<run_dir>/adapter` (the run's result)."""
         try:
-            return self.save()
+            path = self.save()
+            if (path / "adapter").is_dir():
+                publish_dir(path / "adapter", self.run_dir / "adapter")
+            return path
         except Exception as exc:  # the summary and shutdown must still happen
             self.out(f"warning: final checkpoint failed: {exc.__class__.__name__}: {exc}")
             return None
+
+
+def publish_dir(src: Path, dst: Path) -> None:
+    """Replace directory `dst` by a copy of `src`: copied under a temp name, then swapped in by renames."""
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    fsync_dir(tmp)
+    old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+    if dst.exists():
+        os.rename(dst, old)
+    os.rename(tmp, dst)
+    fsync_dir(dst.parent)
+    shutil.rmtree(old, ignore_errors=True)

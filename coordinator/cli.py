@@ -117,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     loss.add_argument("--scale-rewards", default=d.loss.scale_rewards, choices=["group", "none"])
     loss.add_argument("--beta", type=float, default=d.loss.beta,
                       help="KL coefficient to the base model (k3 estimator); 0 = off")
+    loss.add_argument("--mask-truncated", action="store_const", const=True,
+                      help="DAPO overlong filtering: completions cut at --max-new-tokens contribute no loss")
+    loss.add_argument("--overlong-buffer", type=int, metavar="L_CACHE",
+                      help="DAPO soft overlong penalty over the last L_CACHE tokens before --max-new-tokens (0 = off)")
+    loss.add_argument("--overlong-factor", type=float, help="scale of the soft overlong penalty (default 1.0)")
     run.add_argument("--sync", action="store_true",
                      help="synchronous baseline for benchmarks: every step waits for one batch from every live "
                           "volunteer, all at the current version (the slowest volunteer gates each step)")
@@ -173,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     coord = Coordinator(cfg, out=lambda s: print(s, flush=True))
     install_signal_handlers(coord.stop)
     signal.signal(signal.SIGUSR1, lambda signum, frame: coord.telemetry.request_plot())
+    from asyncrl.models.pinning import PinError
     from asyncrl.tasks.sources import TaskSourceError
 
     from asyncrl.swarm.transport import TransportError
@@ -183,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         coord.start()
         summary = coord.run()
-    except (CheckpointError, TaskSourceError, PreflightError) as exc:
+    except (CheckpointError, TaskSourceError, PreflightError, PinError) as exc:
         print(f"asyncrl-coordinator: {exc}", file=sys.stderr)
         return 2
     except TransportError as exc:

@@ -237,7 +237,7 @@ def run_follower(cfg, out=print) -> int:
         deadline = time.time() + 600
         while not marker.exists() and time.time() < deadline:
             time.sleep(0.5)
-    path, _, _ = resolve_model(cfg.model)
+    path = resolve_model(cfg, out=out).path
     lora = LoraSpec(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, target_modules=tuple(cfg.lora_targets))
     learner = make_learner(path, lora, **cfg.learner_kwargs())  # the same options as rank 0 (service.py)
     if cfg.resume:

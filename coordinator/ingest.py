@@ -7,9 +7,11 @@ nothing) -> envelope size, signature, audience, timestamp window -> identity rat
 queue room (RATE_LIMITED, before the nonce is spent so the same bytes can be retried) -> nonce replay
 (NONCE_REUSED) -> batch id seen before (DUPLICATE_BATCH; the ack is repeated so a client whose ack was
 lost can delete its spooled copy — also when its retry reused the nonce) -> strict decode + shape/range
-validation -> run id -> sampling params as leased -> adapter version one we published (not ahead, not a superseded one: FUTURE_VERSION) -> every lease
-known and held by the signer -> rewards recomputed from the completions (REWARD_MISMATCH) -> generation
-audit (coordinator/audit.py: LOGPROB_MISMATCH now, or deferred to the learner's forward pass).
+validation -> run id -> sampling params as leased -> adapter version one we published (not ahead, not a
+superseded one: FUTURE_VERSION) -> every lease known and held by the signer -> finish reasons derived from
+the tokens and the published stop set (protocol.messages.derive_finish_reason; a claim that differs, or
+tokens after a stop token, is MALFORMED) -> rewards recomputed from the completions (REWARD_MISMATCH) ->
+generation audit (coordinator/audit.py: LOGPROB_MISMATCH now, or deferred to the learner's forward pass).
 Only rejects raised after the signature verified are charged to the signer (client stats, strikes in
 coordinator/access.py); earlier ones are charged to the transport peer.
 Accepted groups are written to the journal (coordinator/journal.py: an ack means "durable here") and
@@ -66,7 +68,8 @@ class AcceptedBatch:
 class Ingest:
     def __init__(self, *, identity_public_key: bytes, run_id: str, board: TaskBoard, tokenizer, vocab_size: int,
                  current_version, max_batch_bytes: int, window_s: float, queue_groups: int = 256, journal=None,
-                 access=None, auditor=None, sampling: messages.SamplingParams | None = None, is_published=None):
+                 access=None, auditor=None, sampling: messages.SamplingParams | None = None, is_published=None,
+                 stop_token_ids: tuple[int, ...] = (), context_limit: int | None = None):
         self.audience = identity_public_key
         self.run_id = run_id
         self.board = board
@@ -89,6 +92,8 @@ class Ingest:
         self.access = access    # coordinator.access.AccessControl or None (open, unlimited)
         self.auditor = auditor  # coordinator.audit.Auditor or None (no generation audit)
         self.sampling = sampling  # what leases promise; a batch claiming other sampling params is MALFORMED
+        self.stop_token_ids = tuple(stop_token_ids)  # the pinned stop set (models/pinning.py); () = not checked
+        self.context_limit = context_limit  # the model's context: a completion may also end there ("length")
         self.verdicts: deque[dict] = deque(maxlen=1024)  # recent outcomes, newest last (trust.json, tests)
         self._reserved = 0  # queue slots held by batches being verified (room is checked before the nonce)
         # Lets `exact` rewards be re-scored without decoding most completions (tasks/rewards.py).
@@ -226,7 +231,8 @@ class Ingest:
             raise
 
     def _verify_leased(self, opened: envelope.Opened, batch, leases, batch_id: bytes):
-        groups = [rescore_group(self.tokenizer, group, lease, batch, self.bounds)
+        groups = [rescore_group(self.tokenizer, group, lease, batch, self.bounds, stop_token_ids=self.stop_token_ids,
+                                context_limit=self.context_limit)
                   for group, lease in zip(batch.groups, leases)]
         audit = "off"
         if self.auditor is not None:  # after the (cheaper) reward check; before the leases are settled
@@ -308,10 +314,12 @@ class Ingest:
 
 
 def rescore_group(tokenizer, group: messages.RolloutGroup, lease, batch: messages.RolloutBatch,
-                  bounds=None) -> TrainGroup:
-    """One leased group, checked and re-scored: prompt tokens as leased, lengths within the lease, every
-    reward recomputed from the decoded completion (REWARD_MISMATCH otherwise) — or, with `bounds`
-    (tasks.PrintableTable), without decoding when the reward cannot but be 0. bench/ingest.py times it."""
+                  bounds=None, *, stop_token_ids: tuple[int, ...] = (), context_limit: int | None = None) -> TrainGroup:
+    """One leased group, checked and re-scored: prompt tokens as leased, lengths within the lease, each
+    finish_reason re-derived from the tokens and the pinned stop set (MALFORMED if the claim differs; with
+    no stop set only a full-length "length" completion counts as truncated), every reward recomputed from
+    the decoded completion (REWARD_MISMATCH otherwise) — or, with `bounds` (tasks.PrintableTable), without
+    decoding when the reward cannot but be 0. bench/ingest.py times it."""
     if lease.prompt_token_ids is not None:  # as granted: the same encode_prompt, done once at lease time
         if bytes(group.prompt_token_ids) != lease.prompt_token_ids:
             raise ProtocolError(RejectCode.MALFORMED, "prompt tokens differ from the leased prompt")
@@ -326,6 +334,16 @@ def rescore_group(tokenizer, group: messages.RolloutGroup, lease, batch: message
         raise ProtocolError(RejectCode.MALFORMED, "completion longer than max_new_tokens")
     floors = bounds.lower_bounds(arrays) if bounds is not None else [0] * len(arrays)
     comps = [a.tolist() for a in arrays]
+    truncated = []
+    for c, toks in zip(group.completions, comps):
+        if stop_token_ids:
+            finish = messages.derive_finish_reason(toks, stop_token_ids, max_new_tokens=batch.sampling.max_new_tokens,
+                                                   prompt_len=len(prompt_ids), context_limit=context_limit)
+            if finish != c.finish_reason:
+                raise ProtocolError(RejectCode.MALFORMED, f"finish_reason {c.finish_reason!r}, the tokens say {finish!r}")
+            truncated.append(finish == "length")
+        else:  # no pinned stop set (in-process tests): only a full-length completion counts as truncated
+            truncated.append(len(toks) == batch.sampling.max_new_tokens and c.finish_reason == "length")
     hopeless = [bounds is not None and tasks.impossible(reward, floor, answer) for floor in floors]
     if any(hopeless):  # only `exact`, a simple reward scored one completion at a time: skip the hopeless ones
         rewards = [0.0 if h else tasks.score(reward, tokenizer.decode(t, skip_special_tokens=True), answer)
@@ -338,4 +356,4 @@ def rescore_group(tokenizer, group: messages.RolloutGroup, lease, batch: message
             raise ProtocolError(RejectCode.REWARD_MISMATCH, f"claimed {c.reward:.4f}, recomputed {expected:.4f}")
     lps = [c.logprob_array().tolist() for c in group.completions]  # float32 already (protocol/messages.py)
     return TrainGroup(prompt_ids, comps, lps, rewards, batch.adapter_version, batch.sampling.temperature,
-                      batch.client_name)
+                      batch.client_name, truncated=truncated)

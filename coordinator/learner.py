@@ -32,7 +32,8 @@ import torch
 from asyncrl.protocol.messages import LoraSpec
 
 from .corrections import decay_row_weights
-from .loss import LossConfig, LossTotals, StepNormaliser, group_advantages, policy_terms, token_weights
+from .loss import (LossConfig, LossTotals, StepNormaliser, group_advantages, overlong_penalty, policy_terms,
+                   token_weights)
 
 
 @dataclass
@@ -48,6 +49,11 @@ class TrainGroup:
     client: str = ""
     batch_id: bytes = b""  # the rollout batch it came in (set when a train-time audit is pending)
     audit: bool = False    # check its sampling logprobs against this step's forward pass (coordinator/audit.py)
+    truncated: list[bool] = field(default_factory=list)
+    """Per completion: finish_reason "length" as ingest derived it (empty = none); loss.mask_truncated drops them."""
+
+    def truncated_flags(self) -> list[bool]:
+        return list(self.truncated) if self.truncated else [False] * len(self.completions)
 
 
 @dataclass
@@ -174,12 +180,18 @@ class Learner:
 
     # ---- the step proper ---------------------------------------------------------------------------
     def _train(self, fresh: list[TrainGroup], dropped: int, t0: float) -> StepResult:
+        cfg = self.loss_cfg
         rows = rows_of(fresh)
-        adv = group_advantages(torch.tensor([r.reward for r in rows]), torch.tensor([r.group for r in rows]),
-                               self.loss_cfg.scale_rewards)
-        for r, a in zip(rows, adv.tolist()):
+        truncated = [t for g in fresh for t in g.truncated_flags()]  # ingest derived them from the tokens
+        penalty = overlong_penalty(torch.tensor([r.comp_len for r in rows]), cfg.max_completion_length,
+                                   cfg.overlong_buffer, cfg.overlong_factor)  # DAPO soft overlong punishment
+        adv = group_advantages(torch.tensor([r.reward for r in rows]) + penalty, torch.tensor([r.group for r in rows]),
+                               cfg.scale_rewards)
+        for r, a, cut in zip(rows, adv.tolist(), truncated):
             r.advantage = a
             r.staleness = self.version - fresh[r.group].version
+            if cut and cfg.mask_truncated:  # DAPO overlong filtering: no loss from a completion cut at the cap
+                r.loss_mask = [0.0] * r.comp_len
         if self.loss_cfg.stale_weighting == "decay":  # over the whole step's rows, before any micro-batch
             weights = decay_row_weights([r.staleness for r in rows], self.loss_cfg.stale_half_life)
             for r, w in zip(rows, weights.tolist()):
@@ -237,7 +249,9 @@ class Learner:
             is_weight_mean=stats.is_weight_mean,
             seconds=seconds,
             tokens=tokens,
-            metrics={**stats.metrics(), "staleness_hist": hist, "staleness_max": max(staleness),
+            metrics={**stats.metrics(), "truncated_fraction": sum(truncated) / max(1, len(truncated)),
+                     "overlong_penalty_mean": float(penalty.mean()), "staleness_hist": hist,
+                     "staleness_max": max(staleness),
                      "staleness_mean": sum(staleness) / len(staleness), "groups_dropped_stale": dropped,
                      "grad_norm": grad_norm, "lr": lr, "micro_batches": n_real,
                      "tokens_per_s": tokens / seconds if seconds > 0 else 0.0},

@@ -23,6 +23,15 @@ Variant (and sources):
   in DAPO / Dr. GRPO and TRL's default). When on: the k3 estimator of Schulman's "Approximating KL
   divergence" as TRL computes it, kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1, added per token
   *after* the importance weight: per_token = -min(r A, clip(r) A) * w + beta * kl_t (TRL's order).
+- Truncated completions (finish_reason "length", derived by ingest from the tokens and the pinned stop
+  set): `mask_truncated` drops them from the loss — DAPO's "overlong filtering" (Yu et al. 2025, §3.4;
+  TRL `mask_truncated_completions`): their tokens get mask 0, they still count in their group's reward
+  mean/std and, for "grpo", in the mean over sequences (as in TRL). `overlong_buffer` > 0 adds DAPO's
+  "soft overlong punishment" to the task reward before advantages (TRL `get_soft_overlong_punishment`):
+  with L_max = max_completion_length and L_cache = overlong_buffer,
+      R_len(|y|) = 0 if |y| <= L_max - L_cache;  ((L_max - L_cache) - |y|) / L_cache if |y| <= L_max;  -1 beyond,
+  times `overlong_factor`. It depends only on the completion length, so the coordinator computes it;
+  volunteers keep reporting the task reward in [0, 1].
 - Statistics (what `LossStats` reports, per masked token): `ratio_*` is pi_theta / mu, the current
   policy against the volunteer's sampling policy, in every mode (it is what staleness moves; in the
   "tis-*"/"none" modes the objective's own ratio is 1 by construction); clip fractions split into
@@ -94,8 +103,11 @@ class LossConfig:
     stale_weighting: StaleWeighting = "none"  # per-row weights by version gap, corrections.decay_row_weights.
     stale_half_life: float = 8.0  # stale_weighting "decay": versions for a row's weight to halve
     scale_rewards: ScaleRewards = "group"
-    max_completion_length: int = 16  # only used by dr_grpo's constant normaliser
+    max_completion_length: int = 16  # dr_grpo's constant normaliser and the overlong penalty's L_max (= max_new_tokens)
     beta: float = 0.0  # KL coefficient; 0 = no reference model forward at all
+    mask_truncated: bool = False  # DAPO overlong filtering: completions cut at max_new_tokens contribute no loss
+    overlong_buffer: int = 0  # DAPO soft overlong punishment over the last L_cache tokens (0 = off)
+    overlong_factor: float = 1.0  # scale of that penalty (DAPO: 1.0)
 
     def validate(self) -> "LossConfig":
         """Raise ValueError naming the first bad field (the coordinator config wraps it)."""
@@ -114,6 +126,9 @@ class LossConfig:
             (self.scale_rewards in ("group", "none"), "scale_rewards must be group or none"),
             (self.max_completion_length >= 1, "max_completion_length must be >= 1"),
             (self.beta >= 0.0, "beta must be >= 0"),
+            (0 <= self.overlong_buffer < self.max_completion_length,
+             "overlong_buffer must be in [0, max_completion_length)"),
+            (self.overlong_factor >= 0.0, "overlong_factor must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -173,6 +188,19 @@ def token_weights(mask: torch.Tensor, cfg: LossConfig, norm: StepNormaliser) -> 
     if cfg.loss_type == "dapo":
         return mask / max(1.0, norm.tokens)
     raise ValueError(f"unknown loss_type {cfg.loss_type!r}")  # pragma: no cover - guarded by validation
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment per completion (see the module docstring); 0 everywhere when buffer == 0."""
+    import torch
+
+    lengths = lengths.to(torch.float32)
+    if buffer <= 0:
+        return torch.zeros_like(lengths)
+    free = max_len - buffer
+    ramp = (free - lengths) / buffer
+    penalty = torch.where(lengths <= free, torch.zeros_like(lengths), torch.where(lengths <= max_len, ramp, -1.0))
+    return factor * penalty
 
 
 @dataclass

@@ -41,8 +41,12 @@ class Published:
 
 class Publisher:
     def __init__(self, identity: Identity, *, run_id: str, base_model: str, base_revision: str,
-                 lora: messages.LoraSpec, keyframe_every: int, chunk_bytes: int, keep: int = 16):
+                 lora: messages.LoraSpec, keyframe_every: int, chunk_bytes: int, keep: int = 16,
+                 base_weights_sha256: str = "", tokenizer_sha256: str = "", stop_token_ids: tuple[int, ...] = ()):
         self.identity = identity
+        # The base model pin (models/pinning.py) every manifest carries; volunteers verify it before generating.
+        self.pin_fields = dict(base_weights_sha256=base_weights_sha256, tokenizer_sha256=tokenizer_sha256,
+                               stop_token_ids=tuple(stop_token_ids))
         self.run_id = run_id
         self.base_model = base_model
         self.base_revision = base_revision
@@ -64,7 +68,7 @@ class Publisher:
             keyframe_version=keyframe_version, base_model=self.base_model, base_revision=self.base_revision,
             lora=self.lora, codec=enc.codec, tensors=tuple(specs), raw_bytes=enc.raw_bytes,
             compressed_bytes=len(enc.payload), chunk_bytes=self.chunk_bytes,
-            chunk_hashes=codec.chunk_hashes(chunks), created_at=now)
+            chunk_hashes=codec.chunk_hashes(chunks), created_at=now, **self.pin_fields)
         manifest_env = envelope.seal(self.identity, "adapter_manifest", messages.encode(manifest))
         pointer = messages.AdapterPointer(
             run_id=self.run_id, version=version, manifest_sha256=hashlib.sha256(manifest_env).digest(),

@@ -44,14 +44,20 @@ from .config import CoordinatorConfig
 from .leasing import MAX_LEASE_REQUEST_BYTES
 
 
-def resolve_model(model: str) -> tuple[str, str, str]:
-    """(path to load, name to publish, revision). "tiny" is built locally and pinned by weight hash."""
-    from asyncrl.models import tinymodel
+def resolve_model(cfg: CoordinatorConfig, *, out=print):
+    """The run's base model pinned to an immutable revision (models/pinning.py): a `ResolvedBase` whose
+    `path` holds exactly the files every manifest pins. On --resume a moving `model_revision` ("main")
+    becomes the commit the checkpoint was trained on, so an upstream push cannot change a run midway."""
+    from asyncrl.models import pinning
 
-    if model in ("tiny", tinymodel.TINY_MODEL_NAME):
-        path = tinymodel.write_tiny_model(tinymodel.default_tiny_model_dir())
-        return str(path), tinymodel.TINY_MODEL_NAME, tinymodel.weights_revision(path)
-    return model, model, "main"
+    revision = cfg.model_revision
+    if cfg.resume and not pinning.is_commit_sha(revision):
+        from .checkpoint import latest_meta
+
+        meta = latest_meta(Path(cfg.run_dir)) or {}
+        if meta.get("base_model") == cfg.model and pinning.is_commit_sha(meta.get("base_revision", "")):
+            revision = meta["base_revision"]
+    return pinning.resolve(cfg.model, revision, out=out)
 
 
 class RunLog:
@@ -135,7 +141,12 @@ class Coordinator:
         from .publisher import Publisher, PublishWorker
         from .taskboard import TaskBoard
 
-        path, self.base_model, self.base_revision = resolve_model(cfg.model)
+        self.base = resolve_model(cfg, out=self.out)  # PinError (one line, exit 2) when it cannot be pinned
+        path, pin = self.base.path, self.base.pin
+        self.base_model, self.base_revision = pin.name, pin.revision
+        hub = not pin.revision.startswith("sha256:")  # pinned to a hub commit (else a local directory)
+        self.out(f"base model {pin.name} pinned at {pin.short()} (tokenizer {pin.tokenizer_sha256[:19]}, "
+                 f"stop tokens {list(pin.stop_token_ids)})")
         self.lora = messages.LoraSpec(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                                       target_modules=tuple(cfg.lora_targets))
         from .ddp import make_learner  # a DDP learner under torchrun (coordinator/ddp.py)
@@ -169,7 +180,9 @@ class Coordinator:
                              max_batch_bytes=cfg.max_batch_bytes,
                              window_s=cfg.timestamp_window_s, journal=self.journal, access=self.access,
                              auditor=self.auditor, sampling=messages.SamplingParams(
-                                 temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens))
+                                 temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens),
+                             stop_token_ids=pin.stop_token_ids,  # finish reasons are derived from the tokens
+                             context_limit=getattr(self.learner.model.config, "max_position_embeddings", None))
         self.auditor.attach(self.ingest)
         self.sync_round = None
         if cfg.sync:  # the synchronous baseline (benchmarks): coordinator/sync_round.py
@@ -186,14 +199,19 @@ class Coordinator:
                                     sync_round=self.sync_round, quorum=self.quorum)
         self.publisher = Publisher(self.identity, run_id=cfg.run_id, base_model=self.base_model,
                                    base_revision=self.base_revision, lora=self.lora,
-                                   keyframe_every=cfg.keyframe_every, chunk_bytes=cfg.chunk_bytes)
+                                   keyframe_every=cfg.keyframe_every, chunk_bytes=cfg.chunk_bytes,
+                                   base_weights_sha256=pin.weights_sha256, tokenizer_sha256=pin.tokenizer_sha256,
+                                   stop_token_ids=pin.stop_token_ids)
         self.gate = checkpoint.Gate()  # lease/submit handlers vs. a checkpoint snapshot
         self.checkpoints = checkpoint.Checkpointing(
             self.run_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints, gate=self.gate, learner=self.learner,
             board=self.board, ingest=self.ingest, journal=self.journal, out=self.out, resume=cfg.resume,
             held=self.sync_round.held if self.sync_round is not None else None,
             identity=checkpoint.identity_meta(run_id=cfg.run_id, base_model=self.base_model,
-                                              base_revision=self.base_revision, lora=self.lora))
+                                              base_revision=self.base_revision, lora=self.lora),
+            export=checkpoint.AdapterExport(  # each checkpoint also holds a standard PEFT directory
+                lora=self.lora, base_model=pin.name if hub else path, revision=pin.revision if hub else None,
+                pin=dataclasses.asdict(pin)))
         if cfg.resume:
             info = self.checkpoints.resume()
             self.log.write("resume", **info)

@@ -113,14 +113,33 @@ def load_lora(model, tensors: dict[str, torch.Tensor]) -> None:
         raise ValueError(f"adapter has tensors the model does not: {unexpected[:3]}")
 
 
-def write_peft_dir(path: Path, spec: LoraSpec, base_model: str, tensors: dict[str, torch.Tensor]) -> Path:
-    """An ordinary PEFT adapter directory (what vLLM's LoRARequest loads)."""
+def standard_adapter_names(tensors: dict[str, torch.Tensor], adapter_name: str = "default") -> dict[str, torch.Tensor]:
+    """PEFT's in-model parameter names (`...lora_A.default.weight`) -> the names of a saved adapter
+    (`...lora_A.weight`), which `PeftModel.from_pretrained` and vLLM load."""
+    marker = f".{adapter_name}."
+    return {k.replace(marker, ".") if marker in k else k: v for k, v in tensors.items()}
+
+
+def peft_dir_files(spec: LoraSpec, base_model: str, tensors: dict[str, torch.Tensor], *,
+                   revision: str | None = None) -> dict[str, bytes]:
+    """The two files of an ordinary PEFT adapter directory: adapter_config.json (`base_model_name_or_path`,
+    and `revision` = the pinned hub commit when there is one) + adapter_model.safetensors (standard names)."""
     from safetensors.torch import save
 
-    path.mkdir(parents=True, exist_ok=True)
     cfg = peft_config(spec).to_dict()
     cfg["base_model_name_or_path"] = base_model
+    if revision:
+        cfg["revision"] = revision
     cfg = {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}
-    write_atomic(path / "adapter_config.json", json.dumps(cfg, indent=2, default=str))
-    write_atomic(path / "adapter_model.safetensors", save({k: v.contiguous() for k, v in tensors.items()}))
+    return {"adapter_config.json": json.dumps(cfg, indent=2, default=str).encode(),
+            "adapter_model.safetensors": save({k: v.contiguous() for k, v in sorted(tensors.items())},
+                                              metadata={"format": "pt"})}
+
+
+def write_peft_dir(path: Path, spec: LoraSpec, base_model: str, tensors: dict[str, torch.Tensor], *,
+                   revision: str | None = None) -> Path:
+    """An ordinary PEFT adapter directory (what `PeftModel.from_pretrained` and vLLM's LoRARequest load)."""
+    path.mkdir(parents=True, exist_ok=True)
+    for name, data in peft_dir_files(spec, base_model, tensors, revision=revision).items():
+        write_atomic(path / name, data)
     return path

@@ -40,6 +40,8 @@ MAX_TOKENS_PER_SEQUENCE = 32768
 # of a manifest. A rank-r LoRA on an 80-layer model with 7 target modules has 1120 tensors.
 MAX_TENSORS_PER_ADAPTER = 8192
 MAX_TENSOR_DIMS = 8
+# Stop-token set of the base model in a manifest (Qwen2.5-Instruct has 2; a handful is normal).
+MAX_STOP_TOKENS = 64
 
 # An envelope is accepted only if its timestamp is within ±5 minutes of the receiver's clock:
 # generous for volunteers' unsynchronised clocks, short enough that the replay guard's memory of

@@ -28,7 +28,7 @@ import numpy as np
 from . import limits
 from .errors import ProtocolError, RejectCode
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 2  # 2: lease retry_after, manifest pins tokenizer + stop tokens (new fields have defaults, at the end)
 SHA256_BYTES = 32
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -37,6 +37,7 @@ _MAX_SEQ_BYTES = 4 * limits.MAX_TOKENS_PER_SEQUENCE
 LOGPROB_TOLERANCE = 1e-4
 
 Dtype = Literal["bf16", "fp16", "fp32"]
+FINISH_REASONS = ("stop", "length")  # Completion.finish_reason; ingest re-derives it (derive_finish_reason)
 SeqBytes = Annotated[bytes, msgspec.Meta(max_length=_MAX_SEQ_BYTES)]
 
 
@@ -138,6 +139,11 @@ class AdapterManifest(_Message):
     chunk_bytes: int
     chunk_hashes: tuple[bytes, ...]  # sha256 of each chunk; count bounded by MAX_MANIFEST_BYTES
     created_at: float
+    # schema 2 — the base model pin (models/pinning.py): base_revision is a hub commit sha or a content
+    # hash; a volunteer verifies these before it generates and refuses a mismatch (never a strike).
+    base_weights_sha256: str = ""  # "sha256:<hex>" over the model files
+    tokenizer_sha256: str = ""     # "sha256:<hex>" over the tokenizer files
+    stop_token_ids: Annotated[tuple[int, ...], msgspec.Meta(max_length=limits.MAX_STOP_TOKENS)] = ()
 
 
 class AdapterPointer(_Message):
@@ -318,9 +324,34 @@ def validate_rollout_batch(batch: RolloutBatch, *, vocab_size: int | None = None
                 raise _bad(f"{cw}.logprobs must be finite")
             if lp.max() > LOGPROB_TOLERANCE:
                 raise _bad(f"{cw}.logprobs must be <= 0 (got max {float(lp.max())})")
+            if c.finish_reason not in FINISH_REASONS:
+                raise _bad(f"{cw}.finish_reason must be one of {FINISH_REASONS}, got {c.finish_reason[:20]!r}")
             _finite(c.reward, f"{cw}.reward")
             if not abs(c.reward) <= limits.MAX_ABS_REWARD:  # TRL-style rewards are not clamped to [0, 1]
                 raise _bad(f"{cw}.reward must be within ±{limits.MAX_ABS_REWARD:g}, got {c.reward}")
+
+
+def derive_finish_reason(token_ids, stop_token_ids, *, max_new_tokens: int, prompt_len: int = 0,
+                         context_limit: int | None = None) -> str:
+    """The one rule both engines and ingest apply, from the tokens alone (never trusted from a string).
+
+    "stop"   the last token is in the published stop set (and no stop token comes before it);
+    "length" no stop token, and the completion reached max_new_tokens — or the model's context
+             (prompt_len + len == context_limit), where an engine must stop too.
+    Anything else — a stop token before the end, or a completion that ended early without one —
+    is MALFORMED: no engine that follows the manifest produces it.
+    """
+    stops = set(stop_token_ids)
+    n = len(token_ids)
+    if n == 0:
+        raise _bad("empty completion")
+    if any(int(t) in stops for t in token_ids[:-1]):
+        raise _bad("completion goes on after a stop token")
+    if int(token_ids[-1]) in stops:
+        return "stop"
+    if n == max_new_tokens or (context_limit is not None and prompt_len + n == context_limit):
+        return "length"
+    raise _bad(f"completion of {n} tokens ends without a stop token before max_new_tokens={max_new_tokens}")
 
 
 def validate_manifest(m: AdapterManifest) -> None:
@@ -359,6 +390,13 @@ def validate_manifest(m: AdapterManifest) -> None:
         raise _bad(f"chunk_hashes has {len(m.chunk_hashes)} entries, expected ceil({m.compressed_bytes}/{m.chunk_bytes}) = {n_chunks}")
     if any(not isinstance(h, bytes) or len(h) != SHA256_BYTES for h in m.chunk_hashes):
         raise _bad("chunk_hashes must be 32-byte sha256 digests")
+    for f in ("base_model", "base_revision", "base_weights_sha256", "tokenizer_sha256"):
+        if len(getattr(m, f)) > 512:
+            raise _bad(f"{f} longer than 512 characters")
+    if len(set(m.stop_token_ids)) != len(m.stop_token_ids):
+        raise _bad("stop_token_ids must be unique")
+    for i, t in enumerate(m.stop_token_ids):
+        _int_range(t, f"stop_token_ids[{i}]", 0, 2**31 - 1)
 
 
 def validate_pointer(p: AdapterPointer) -> None:

