@@ -57,14 +57,14 @@ def main(argv=None) -> int:
     from asyncrl import tasks
     from asyncrl.client.engine import TransformersEngine
     from asyncrl.coordinator.audit import Auditor, completion_logprobs, mismatch
-    from asyncrl.coordinator.config import CoordinatorConfig
+    from asyncrl.coordinator.config_file import resolve_config
     from asyncrl.coordinator.learner import Learner, TrainGroup
     from asyncrl.coordinator.learner import collate_groups as collate
     from asyncrl.models import tinymodel
     from asyncrl.models.lora import export_lora
     from asyncrl.protocol.messages import LoraSpec, SamplingParams
 
-    cfg = CoordinatorConfig()
+    cfg = resolve_config({"model": "tiny"})  # the tiny model's settings (its toy preset), as `--model tiny` gets
     tol = args.tolerance if args.tolerance is not None else cfg.audit_tolerance
     path = str(tinymodel.write_tiny_model(tinymodel.default_tiny_model_dir()))
     other_base = str(tinymodel.write_tiny_model(tinymodel.default_tiny_model_dir().with_name("tiny-qwen2-seed1"), seed=1))

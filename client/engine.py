@@ -169,6 +169,22 @@ def vllm_status() -> tuple[bool, str]:
     return True, "CUDA and vllm available"
 
 
+MIN_VLLM = (0, 10, 2)  # kv_cache_memory_bytes (0.10.1); processed_logprobs with temperature (0.10.2)
+
+
+def vllm_too_old() -> str | None:
+    """A message when the installed vLLM predates the APIs VLLMEngine relies on (pyproject's floor)."""
+    import re
+
+    import vllm
+
+    parts = tuple(int(x) for x in re.findall(r"\d+", getattr(vllm, "__version__", "0"))[:3])
+    if parts and parts < MIN_VLLM:
+        return (f"vLLM {vllm.__version__} is too old: the engine needs >= {'.'.join(map(str, MIN_VLLM))} "
+                "(logprobs_mode='processed_logprobs' with temperature, kv_cache_memory_bytes); upgrade vllm")
+    return None
+
+
 def make_engine(kind: str, model: str, lora: LoraSpec, *, gpu_memory_utilization: float = 0.85, seed: int = 0,
                 max_staleness: int = 4, max_model_len: int | None = None, stop_token_ids: Sequence[int] | None = None,
                 out=print) -> Engine:
@@ -186,6 +202,9 @@ def make_engine(kind: str, model: str, lora: LoraSpec, *, gpu_memory_utilization
 
             if importlib.util.find_spec("vllm") is None:
                 raise EngineUnavailable("--engine vllm: vllm is not installed (pip install 'asyncrl[vllm]')")
+            too_old = vllm_too_old()
+            if too_old:
+                raise EngineUnavailable(too_old)
             from .engine_vllm import VLLMEngine
 
             return VLLMEngine(model, lora, gpu_memory_utilization=gpu_memory_utilization, seed=seed,

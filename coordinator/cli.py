@@ -3,6 +3,7 @@
     asyncrl-coordinator run --model tiny --max-steps 150 --run-dir runs/demo
     asyncrl-coordinator run --model Qwen/Qwen2.5-0.5B-Instruct --port 31337 --announce /ip4/203.0.113.5/tcp/31337
     asyncrl-coordinator run --config configs/coordinator.example.toml --max-steps 0   # flags beat the file
+    asyncrl-coordinator run --config configs/qwen2.5-1.5b-instruct.toml --task data/train.jsonl --dry-run
     asyncrl-coordinator status --run-dir runs/demo      # also: keys, example-config (coordinator/admin.py)
 
 Config precedence: defaults < `--config` TOML < flags (coordinator/config_file.py). Every flag named
@@ -28,8 +29,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="asyncrl-coordinator", description="asyncrl coordinator: learner + publisher")
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="start the coordinator and train until --max-steps")
-    run.add_argument("--config", default=None, help="TOML config file (configs/coordinator.example.toml); flags win")
-    run.add_argument("--model", default=d.model, help="HF model id or local directory; 'tiny' = built-in test model")
+    run.add_argument("--config", default=None, help="TOML config file (configs/coordinator.example.toml, model presets "
+                                                    "configs/qwen2.5-*.toml); flags win")
+    run.add_argument("--dry-run", action="store_true", help="resolve and validate the config, print it as JSON, "
+                                                            "start nothing (no model, no network)")
+    run.add_argument("--model", default=d.model, help="HF model id or local directory; 'tiny' = built-in test model "
+                                                      "(with its toy preset)")
+    run.add_argument("--model-revision", help="hub branch, tag or commit to pin (default 'main', resolved to its commit)")
     run.add_argument("--run-id", default=d.run_id)
     run.add_argument("--run-dir", default=d.run_dir)
     run.add_argument("--task", default=d.task)
@@ -87,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--task-prompt-field", help="prompt field of JSONL / HF records (default 'prompt')")
     ckpt.add_argument("--task-answer-field", help="answer field of JSONL / HF records (default 'answer')")
     ckpt.add_argument("--task-reward", help="reward for records without a 'reward' field: a name or a weighted "
-                                            "sum 'accuracy+0.5*format' (default 'exact')")
+                                            "sum 'accuracy+0.5*format' (default 'math'; 'exact' for the tiny model)")
     ckpt.add_argument("--reward-weights", type=float, nargs="+", help="one weight per --task-reward name (TRL's "
                                                                       "reward_weights; default 1.0 each)")
     ckpt.add_argument("--chat-template", choices=["auto", "on", "off"], help="template dataset prompts (default auto)")
@@ -163,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"asyncrl-coordinator: invalid config: {exc}", file=sys.stderr)
         return 2
+    if args.dry_run:
+        print(cfg.to_json())
+        return 0
 
     import torch
 

@@ -1,5 +1,10 @@
 """The coordinator's one config object. Every limit is a named, documented, validated field.
 
+The defaults are for a real model (Qwen2.5-0.5B-Instruct-sized, 1024-token completions; presets for
+0.5B / 1.5B / 7B with their reasons: configs/*.toml, docs/presets.md). The built-in tiny model has its
+own fast toy settings, `TINY_PRESET`, which `config_file.resolve_config` applies when `model` is the tiny
+one, to every preset field that neither the config file nor a flag sets (docs/toy-task.md).
+
 The resolved config is written to `<run_dir>/config.json` at start.
 """
 
@@ -14,6 +19,20 @@ from typing import Any, Literal
 from .loss import LossConfig
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TINY_MODELS = ("tiny", "asyncrl/tiny-qwen2")  # models/tinymodel.py TINY_MODEL_NAME
+
+# The built-in tiny model's toy settings (`make demo`, the tests): what replaces the real-model defaults
+# when model = "tiny" and the file/flags leave a field unset. Why each (docs/toy-task.md):
+TINY_PRESET: dict[str, Any] = {
+    "max_new_tokens": 8,       # the toy task scores exactly 8 characters; the tiny context is 256 tokens
+    "lr": 2e-3,                # a random 2-layer model learns the toy task in ~100 steps at this rate
+    "task_reward": "exact",    # the toy task names its own reward; "math" would need real answers
+}
+
+
+def model_preset(model: str) -> dict[str, Any]:
+    """Defaults that replace the real-model ones for `model` (only the built-in tiny model has any)."""
+    return dict(TINY_PRESET) if model in TINY_MODELS else {}
 
 
 def _reward_problem(cfg) -> str | None:
@@ -57,10 +76,13 @@ def _bad_peer_address(addresses) -> str | None:
 class CoordinatorConfig:
     run_id: str = "demo"
     """Names the swarm: DHT keys and stream handlers are scoped by it."""
-    model: str = "tiny"
-    """A Hugging Face model id or local directory; "tiny" builds the built-in test model."""
+    model: str = "Qwen/Qwen2.5-0.5B-Instruct"
+    """A Hugging Face model id or local directory; "tiny" builds the built-in test model (and applies its
+    toy preset, TINY_PRESET in coordinator/config.py, to fields not set explicitly)."""
     model_revision: str = "main"
-    """Revision (branch, tag or commit) of the base model; pinned in every adapter manifest."""
+    """Revision of a hub model: a branch, tag or commit sha. Resolved once at start to the immutable commit
+    sha, which every adapter manifest pins (with tokenizer and stop-token hashes; volunteers verify them).
+    For a local directory: "main" (its content hash is the revision) or the "sha256:..." it must have."""
     run_dir: str = "runs/demo"
     """Where the coordinator keeps its key, config.json, metrics.jsonl, summary.json and plots."""
     task: str = "repeat"
@@ -70,9 +92,10 @@ class CoordinatorConfig:
     """Field holding the prompt in JSONL / Hugging Face task records."""
     task_answer_field: str = "answer"
     """Field holding the reference answer in JSONL / Hugging Face task records."""
-    task_reward: str | tuple[str, ...] = "exact"
+    task_reward: str | tuple[str, ...] = "math"
     """Reward for dataset records that do not name one in a "reward" field: a name, a list of names (TRL's
-    reward_funcs, summed) or a weighted sum "accuracy+0.5*format" (tasks/rewards.py; docs/researcher.md)."""
+    reward_funcs, summed) or a weighted sum "accuracy+0.5*format" (tasks/rewards.py; docs/researcher.md).
+    The default, math, is math-verify equivalence (the built-in tiny model's preset uses exact)."""
     reward_weights: tuple[float, ...] = ()
     """One weight per task_reward name, as TRL's reward_weights (empty = 1.0 each)."""
     chat_template: str = "auto"
@@ -118,8 +141,8 @@ class CoordinatorConfig:
     """Learning-rate schedule after warmup; cosine and linear decay to 0 at max_steps (so need max_steps > 0)."""
     warmup_steps: int = 0
     """Linear warmup from 0 to lr over this many optimizer steps."""
-    lr: float = 2e-3
-    """AdamW learning rate on the LoRA parameters."""
+    lr: float = 1e-5
+    """AdamW learning rate on the LoRA parameters (a real-model value: ~10x a full fine-tune's, docs/presets.md)."""
     max_steps: int = 150
     """Stop after this many optimizer steps (0 = run until interrupted)."""
     groups_per_step: int = 8
@@ -157,8 +180,8 @@ class CoordinatorConfig:
     """Completions per prompt (the G of GRPO)."""
     prompts_per_lease: int = 4
     """Most prompts handed to a volunteer in one lease."""
-    max_new_tokens: int = 8
-    """Longest completion a volunteer may generate."""
+    max_new_tokens: int = 1024
+    """Longest completion a volunteer may generate (a completion that reaches it is "truncated")."""
     temperature: float = 1.0
     """Sampling temperature volunteers use (the learner scores under the same temperature)."""
     lease_timeout_s: float = 60.0
@@ -285,6 +308,9 @@ class CoordinatorConfig:
             (self.publish_every >= 1, "publish_every must be >= 1"),
             (self.max_staleness is None or self.max_staleness >= 0, "max_staleness must be >= 0 or None"),
             (_loss_problem(self.loss) is None, f"loss: {_loss_problem(self.loss)}"),
+            (self.loss.overlong_buffer == 0 or self.loss.max_completion_length == self.max_new_tokens,
+             "loss.overlong_buffer needs loss.max_completion_length == max_new_tokens (its L_max); leave "
+             "max_completion_length out of [loss] and it follows max_new_tokens"),
             (not self.sync or self.publish_every == 1, "sync needs publish_every == 1 (a round per version)"),
             (self.wait_for_volunteers >= 0, "wait_for_volunteers must be >= 0"),
             (self.keyframe_every >= 1, "keyframe_every must be >= 1"),

@@ -1,7 +1,7 @@
 """Coordinator config files: TOML in, one validated `CoordinatorConfig` out.
 
-Precedence, lowest first: the dataclass defaults (coordinator/config.py) < the `--config` TOML file <
-command-line flags. Keys are the config's field names; `[loss]` is the nested `LossConfig` table.
+Precedence, lowest first: the dataclass defaults (coordinator/config.py) < the model's preset (only the
+built-in tiny model has one: `config.TINY_PRESET`) < the `--config` TOML file < command-line flags. Keys are the config's field names; `[loss]` is the nested `LossConfig` table.
 Every value is type-checked against the field's annotation and an unknown key is an error that names
 it (with the nearest known key), so a typo never silently runs with a default. TOML has no null:
 for fields that accept None (e.g. `max_staleness`) a negative number means None, as on the CLI.
@@ -30,7 +30,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, CoordinatorConfig
+from .config import ConfigError, CoordinatorConfig, model_preset
 
 EXAMPLE_PATH = "configs/coordinator.example.toml"
 
@@ -59,6 +59,8 @@ def resolve_config(file_values: dict[str, Any] | None, overrides: dict[str, Any]
     _coerce_table(CoordinatorConfig, overrides, prefix="", source="command line")
     # ...then merge key by key (nested tables too: --beta on the CLI keeps [loss] epsilon from the file).
     raw = _deep_merge(file_values, overrides)
+    for key, value in model_preset(raw.get("model", CoordinatorConfig.model)).items():
+        raw.setdefault(key, value)  # the tiny model's toy settings, where nothing explicit was given
     if "lora_r" in raw and "lora_alpha" not in raw:
         raw["lora_alpha"] = 2.0 * raw["lora_r"]  # keep alpha / r = 2 unless alpha is set explicitly
     loss = raw.setdefault("loss", {})
@@ -246,7 +248,9 @@ def example_toml() -> str:
         "#",
         "# Precedence: defaults < this file < command-line flags. Unknown keys are errors. Relative paths",
         "# (run_dir) are relative to the directory the coordinator is started from. The resolved config is",
-        "# written to <run_dir>/config.json at start.",
+        "# written to <run_dir>/config.json at start. The defaults are for a real model; model = \"tiny\"",
+        "# brings its toy preset (coordinator/config.py TINY_PRESET) for fields a file or flag leaves unset.",
+        "# Model presets with their reasons: configs/qwen2.5-*.toml, docs/presets.md.",
     ]
     lines, nested = _table_lines(CoordinatorConfig, CoordinatorConfig(), field_docs(CoordinatorConfig))
     out = head + lines

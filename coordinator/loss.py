@@ -103,7 +103,7 @@ class LossConfig:
     stale_weighting: StaleWeighting = "none"  # per-row weights by version gap, corrections.decay_row_weights.
     stale_half_life: float = 8.0  # stale_weighting "decay": versions for a row's weight to halve
     scale_rewards: ScaleRewards = "group"
-    max_completion_length: int = 16  # dr_grpo's constant normaliser and the overlong penalty's L_max (= max_new_tokens)
+    max_completion_length: int = 1024  # dr_grpo's normaliser and the overlong penalty's L_max; follows max_new_tokens
     beta: float = 0.0  # KL coefficient; 0 = no reference model forward at all
     mask_truncated: bool = False  # DAPO overlong filtering: completions cut at max_new_tokens contribute no loss
     overlong_buffer: int = 0  # DAPO soft overlong punishment over the last L_cache tokens (0 = off)

@@ -145,7 +145,7 @@ class Coordinator:
         path, pin = self.base.path, self.base.pin
         self.base_model, self.base_revision = pin.name, pin.revision
         hub = not pin.revision.startswith("sha256:")  # pinned to a hub commit (else a local directory)
-        self.out(f"base model {pin.name} pinned at {pin.short()} (tokenizer {pin.tokenizer_sha256[:19]}, "
+        self.out(f"base model {pin.name} pinned at {pin.revision} (tokenizer {pin.tokenizer_sha256[:19]}, "
                  f"stop tokens {list(pin.stop_token_ids)})")
         self.lora = messages.LoraSpec(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                                       target_modules=tuple(cfg.lora_targets))

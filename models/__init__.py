@@ -5,7 +5,10 @@
                 the published dtype, PEFT directories for vLLM
   logprobs.py   completion log-probs and entropies through a chunked LM head (no [B, T, V] fp32 logits):
                 `CompletionScorer`, shared by the learner, the KL reference pass and the audit
-  tinymodel.py  the built-in tiny Qwen2-style model, written as an ordinary HF directory (tests, demo)
+  pinning.py    the base model pinned to an immutable revision (hub commit / content hash), tokenizer and
+                stop-set hashes; the volunteer's verification and its PinCodes
+  tinymodel.py  the built-in tiny Qwen2-style model, written as an ordinary HF directory (tests, demo);
+                `instruct=True` gives it Qwen2.5-Instruct's two stop tokens and a ChatML template
 
 Imports only `asyncrl.protocol` of ours; the coordinator (training, export) and the client
 (generation) both build on it.

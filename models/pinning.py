@@ -187,7 +187,7 @@ def is_commit_sha(revision: str) -> bool:
 def _hub_snapshot(repo_id: str, revision: str, *, out=None) -> tuple[str, str]:
     """(local snapshot dir, commit sha) for `repo_id` at `revision` (branch, tag or sha)."""
     from huggingface_hub import HfApi, snapshot_download
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.utils import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
     sha = revision if is_commit_sha(revision) else None
     if sha is None:

@@ -107,3 +107,52 @@ def test_every_field_in_the_example_carries_a_comment():
         if "=" in line and not line.startswith("#") and not line.startswith("["):
             assert lines[i - 1].startswith("#"), f"field without a comment: {line}"
     tomllib.loads(example_toml())
+
+
+# ---- real-model defaults, the tiny model's toy preset, and the model presets -------------------------
+def test_defaults_are_for_a_real_model_and_tiny_gets_its_toy_preset():
+    from asyncrl.coordinator.config import TINY_PRESET
+
+    real = resolve_config({}, cli())
+    assert real.model.startswith("Qwen/") and real.max_new_tokens >= 512 and real.lease_timeout_s >= 300
+    assert real.task_reward == "math" and real.lr < 1e-4
+    tiny = resolve_config({}, cli("--model", "tiny"))
+    assert {k: getattr(tiny, k) for k in TINY_PRESET} == TINY_PRESET
+    assert tiny.loss.max_completion_length == TINY_PRESET["max_new_tokens"]
+    # anything explicit beats the preset: a file value, or a flag
+    assert resolve_config({"model": "tiny", "max_new_tokens": 16}).max_new_tokens == 16
+    assert resolve_config({"model": "tiny"}, cli("--lr", "0.01")).lr == 0.01
+    # the preset belongs to the tiny model only
+    assert resolve_config({"model": "/data/my-model"}).max_new_tokens == CoordinatorConfig.max_new_tokens
+
+
+PRESETS = sorted((REPO / "configs").glob("qwen2.5-*.toml"))
+
+
+def test_there_is_a_preset_per_model_size():
+    assert [p.name for p in PRESETS] == ["qwen2.5-0.5b-instruct.toml", "qwen2.5-1.5b-instruct.toml",
+                                         "qwen2.5-7b-instruct.toml"]
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.stem)
+def test_each_preset_parses_and_validates(path):
+    cfg = resolve_config(load_toml(path), cli(), source=str(path))
+    size = path.stem.split("-")[1]  # "0.5b"
+    assert cfg.model == f"Qwen/Qwen2.5-{size.upper()}-Instruct"
+    assert cfg.loss.max_completion_length == cfg.max_new_tokens  # the normaliser follows the preset's cap
+    assert cfg.max_inflight_groups >= cfg.groups_per_step and cfg.lease_timeout_s >= 300
+
+
+def test_dry_run_resolves_a_preset_without_starting_anything():
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "asyncrl.coordinator.cli", "run", "--config", str(PRESETS[1]),
+                        "--dry-run", "--max-steps", "3"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    resolved = json.loads(r.stdout)
+    assert resolved["model"] == "Qwen/Qwen2.5-1.5B-Instruct" and resolved["max_steps"] == 3
+    bad = subprocess.run([sys.executable, "-m", "asyncrl.coordinator.cli", "run", "--config", str(PRESETS[1]),
+                          "--dry-run", "--group-size", "1"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr

@@ -62,8 +62,11 @@ def swarm(tmp_path_factory):
     s = Swarm(tmp_path_factory.mktemp("operator"))
     try:
         s.coord = s.procs.start("coordinator", [
+            # The example file is a real-model config (every field at its default); flags swap in the tiny model
+            # and the toy length its 256-token context needs.
             "-m", "asyncrl.coordinator.cli", "run", "--config", str(REPO / EXAMPLE_PATH), "--run-dir", str(s.run),
-            "--max-steps", "0", "--threads", "1", "--groups-per-step", "4", "--max-wait-s", "2"])
+            "--model", "tiny", "--max-new-tokens", "8", "--max-steps", "0", "--threads", "1",
+            "--groups-per-step", "4", "--max-wait-s", "2"])
 
         def printed_join():
             if s.coord.poll() is not None:
