@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -13,6 +11,8 @@ import pytest
 from asyncrl.models import pinning
 from asyncrl.models.pinning import PinCode, PinError
 from asyncrl.models.tinymodel import write_tiny_model
+
+from tests.hub_cache import fake_hub_cache, hub_cache  # noqa: F401  (fixture)
 
 
 @pytest.fixture(scope="module")
@@ -112,38 +112,9 @@ def test_local_directory_revision_in_the_config_is_checked(tiny):
 
 
 # ---- the hub path, offline: a Hugging Face cache laid out by hand, read by huggingface_hub itself ----------
-def _fake_hub_cache(cache: Path, repo: str, files: Path, sha: str) -> None:
-    """models--org--name/{refs/main, blobs/<hash>, snapshots/<sha>/<file> -> blob}, as huggingface_hub writes it.
-    LFS files (the weights) are blobs named by the sha256 of their content, like on the hub."""
-    root = cache / ("models--" + repo.replace("/", "--"))
-    (root / "refs").mkdir(parents=True)
-    (root / "refs" / "main").write_text(sha)
-    (root / "blobs").mkdir()
-    snap = root / "snapshots" / sha
-    snap.mkdir(parents=True)
-    for f in files.iterdir():
-        if f.name.startswith("."):
-            continue
-        data = f.read_bytes()
-        blob_name = hashlib.sha256(data).hexdigest() if f.suffix == ".safetensors" else hashlib.sha1(data).hexdigest()
-        (root / "blobs" / blob_name).write_bytes(data)
-        (snap / f.name).symlink_to(os.path.relpath(root / "blobs" / blob_name, snap))
-
-
-@pytest.fixture
-def hub_cache(tmp_path, monkeypatch):
-    import huggingface_hub.constants as hf
-
-    cache = tmp_path / "hub"
-    cache.mkdir()
-    monkeypatch.setattr(hf, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(hf, "HF_HUB_OFFLINE", True)
-    return cache
-
-
-def test_hub_model_resolves_to_its_commit_sha_offline(tiny, hub_cache):
+def test_hub_model_resolves_to_its_commit_sha_offline(tiny, hub_cache):  # noqa: F811
     sha = "3f" * 20
-    _fake_hub_cache(hub_cache, "acme/tiny-qwen2", tiny, sha)
+    fake_hub_cache(hub_cache, "acme/tiny-qwen2", tiny, sha)
     got = pinning.resolve("acme/tiny-qwen2", "main", out=lambda s: None)
     assert got.pin.revision == sha and Path(got.path).name == sha     # "main" -> the immutable commit
     plain = pinning.pin_directory(tiny, name="x")
