@@ -140,7 +140,7 @@ def test_each_preset_parses_and_validates(path):
     size = path.stem.split("-")[1]  # "0.5b"
     assert cfg.model == f"Qwen/Qwen2.5-{size.upper()}-Instruct"
     assert cfg.loss.max_completion_length == cfg.max_new_tokens  # the normaliser follows the preset's cap
-    assert cfg.max_inflight_groups >= cfg.groups_per_step and cfg.lease_timeout_s >= 300
+    assert cfg.inflight_groups >= cfg.groups_per_step and cfg.lease_timeout_s >= 300
 
 
 def test_dry_run_resolves_a_preset_without_starting_anything():
