@@ -114,7 +114,8 @@ def test_defaults_are_for_a_real_model_and_tiny_gets_its_toy_preset():
     from asyncrl.coordinator.config import TINY_PRESET
 
     real = resolve_config({}, cli())
-    assert real.model.startswith("Qwen/") and real.max_new_tokens >= 512 and real.lease_timeout_s >= 300
+    assert real.model.startswith("Qwen/") and real.max_new_tokens >= 512
+    assert real.lease_max_s >= 600  # long real work lives on renewals (lease_timeout_s bounds a silent holder)
     assert real.task_reward == "math" and real.lr < 1e-4
     tiny = resolve_config({}, cli("--model", "tiny"))
     assert {k: getattr(tiny, k) for k in TINY_PRESET} == TINY_PRESET
