@@ -38,9 +38,8 @@ browser:
 clean-venv:
 	rm -rf $(VENV)
 
-# The NAT test and the WAN benchmark build network namespaces (tests/integration/test_nat.py, bench/netlab.py):
-# iproute2 (ip, tc), iptables (NAT, NFQUEUE) and nftables. Without them (or without root) that test fails
-# under CI=true and skips loudly elsewhere.
+# The WAN benchmark builds network namespaces (bench/broadcast_wan.py, bench/netlab.py):
+# iproute2 (ip, tc), iptables (NAT, NFQUEUE) and nftables.
 netlab:
 	@command -v ip >/dev/null && command -v tc >/dev/null && command -v iptables >/dev/null && command -v nft >/dev/null || { \
 	  $(SUDO) apt-get update -qq && \
