@@ -1,7 +1,8 @@
 """`asyncrl-client`: lend a GPU (or CPU) to an asyncrl swarm.
 
     asyncrl-client join /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...   # what the coordinator printed
-    asyncrl-client status
+    asyncrl-client status                  # contribution so far, from verified receipts
+    asyncrl-client receipts --export mine.json && asyncrl-client verify mine.json --address <join address>
 
 Heavy imports (torch, hivemind, transformers) are deferred until after argument parsing, so `--help`
 answers at once and a bad address fails before anything starts.
@@ -24,14 +25,12 @@ def default_data_dir() -> Path:
     return Path(base) / "asyncrl" / "client"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="asyncrl-client", description="asyncrl volunteer client")
-    sub = p.add_subparsers(dest="command", required=True)
-    join = sub.add_parser("join", help="join a swarm at ADDRESS and contribute rollouts")
+def add_join_arguments(join: argparse.ArgumentParser) -> None:
+    """The flags of `join` (and of `doctor`, which checks that exactly this join would work)."""
     join.add_argument("address", nargs="+",
                       help="the multiaddr the coordinator printed (ends in /p2p/<peer id>), or any peer's address "
                            "together with --coordinator; several may be given (any one that answers suffices)")
-    join.add_argument("--data-dir", type=Path, default=default_data_dir(), help="identity, outbox, status")
+    join.add_argument("--data-dir", type=Path, default=default_data_dir(), help="identity, outbox, status, receipts")
     join.add_argument("--name", default="", help="display name shown to the operator")
     join.add_argument("--model", default=None, metavar="DIR",
                       help="local copy of the base model (default: fetch the manifest's pinned revision); its "
@@ -56,17 +55,37 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--hold-version", type=int, default=0, metavar="K",
                       help="EXPERIMENT ONLY (staleness benchmarks): generate with the adapter K versions behind "
                            "the newest; wastes the swarm's work otherwise (docs/staleness.md)")
-    out = join.add_mutually_exclusive_group()
-    out.add_argument("--quiet", action="store_true", help="only warnings and errors")
-    out.add_argument("--json-logs", action="store_true", help="one JSON object per event (headless hosts)")
     from .swarm_member import add_swarm_arguments
 
     add_swarm_arguments(join)
-    status = sub.add_parser("status", help="identity, outbox size and contribution so far")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="asyncrl-client", description="asyncrl volunteer client")
+    sub = p.add_subparsers(dest="command", required=True)
+    join = sub.add_parser("join", help="join a swarm at ADDRESS and contribute rollouts")
+    add_join_arguments(join)
+    out = join.add_mutually_exclusive_group()
+    out.add_argument("--quiet", action="store_true", help="only warnings and errors")
+    out.add_argument("--json-logs", action="store_true", help="one JSON object per event (headless hosts)")
+    status = sub.add_parser("status", help="identity, outbox size and contribution so far (verified receipts)")
     status.add_argument("--data-dir", type=Path, default=default_data_dir())
     keys = sub.add_parser("keys", help="show (or create) this volunteer's identity key")
     keys.add_argument("--data-dir", type=Path, default=default_data_dir())
     keys.add_argument("--create", action="store_true", help="create the key if missing")
+    rec = sub.add_parser("receipts", help="this volunteer's signed contribution receipts (--export: a verifiable file)")
+    rec.add_argument("--data-dir", type=Path, default=default_data_dir())
+    rec.add_argument("--export", type=Path, default=None, metavar="FILE",
+                     help="write them to FILE (JSON) for anyone to check with `asyncrl-client verify`")
+    rec.add_argument("--coordinator", default=None, metavar="PEER_ID",
+                     help="only receipts signed by this coordinator (default: all)")
+    ver = sub.add_parser("verify", help="verify an exported receipts FILE offline against a join address")
+    ver.add_argument("file", type=Path)
+    ver.add_argument("--address", required=True, help="the run's join address (its /p2p/ peer id is the key)")
+    ver.add_argument("--coordinator", default=None, metavar="PEER_ID",
+                     help="the coordinator's peer id when --address is another peer's")
+    ver.add_argument("--volunteer", default=None, metavar="FINGERPRINT",
+                     help="require every receipt to name this volunteer key (fingerprint as `keys` prints it)")
     return p
 
 
@@ -114,6 +133,11 @@ def show_status(data_dir: Path) -> int:
                      "adapter_versions_loaded": len(set(st.get("versions_loaded") or [])),
                      "batches_acked": st.get("batches_acked"), "batches_rejected": st.get("batches_rejected"),
                      "rollouts": st.get("rollouts"), "tokens": st.get("tokens")})
+    from .ledger import ReceiptLedger, summarise
+
+    # What the coordinator signed for, verified here against the key in each receipt's signature
+    # (`asyncrl-client verify` checks an export against the join address itself).
+    info["receipts"] = summarise(ReceiptLedger(data_dir).all(), volunteer_key=Identity.load(key).public_key)
     print(json.dumps(info, indent=2))
     return 0
 
@@ -124,6 +148,13 @@ def main(argv: list[str] | None = None) -> int:
         return show_status(args.data_dir)
     if args.command == "keys":
         return show_keys(args.data_dir, create=args.create)
+    if args.command in ("receipts", "verify"):
+        from . import receipts_cli
+
+        if args.command == "receipts":
+            return receipts_cli.show_receipts(args.data_dir, export=args.export, coordinator=args.coordinator)
+        return receipts_cli.verify_file(args.file, address=args.address, coordinator=args.coordinator,
+                                        volunteer=args.volunteer)
     if not 0.05 <= args.gpu_memory_utilization <= 1.0:
         return fail("--gpu-memory-utilization must be in [0.05, 1.0]", 2)
     if args.max_outbox_mb < 1:

@@ -5,6 +5,7 @@ Components (one job each; none references this hub):
   AdapterSync  watch the signed pointer, fetch + verify + decode adapter versions
   Engine       generation with per-token sampling logprobs (transformers; vLLM plugs in here)
   Outbox       sealed batches on disk until acked
+  ReceiptLedger (client/ledger.py) each ack's coordinator-signed receipt, verified, append-only
   status.json  what this volunteer did (for `asyncrl-client status` and tests)
 
 Loop: poll the pointer (hot-swap a newer adapter between batches) -> lease prompts -> generate G
@@ -93,6 +94,9 @@ class VolunteerStatus:
     engine_errors: int = 0     #   the engine raised on that prompt
     reward_errors: int = 0     #   the reward function raised or returned something unusable
     leases_lost: int = 0       #   the coordinator said it had expired
+    receipts: int = 0          # verified receipts added to the ledger (client/ledger.py)
+    receipts_missing: int = 0  # acks that came without one (an older coordinator, or its disk failed)
+    receipts_invalid: int = 0  # receipts that did not verify against the join address (never kept)
 
 
 class EngineFailed(RuntimeError):
@@ -133,6 +137,9 @@ class Volunteer:
         from .outbox import Outbox
 
         self.outbox = Outbox(cfg.data_dir / "outbox", max_bytes=cfg.max_outbox_bytes)
+        from .ledger import ReceiptLedger
+
+        self.ledger = ReceiptLedger(cfg.data_dir)
         self.status = VolunteerStatus(name=self.name, fingerprint=self.identity.fingerprint)
         self.run_id: str | None = None
         self.latest_version: int | None = None
@@ -430,6 +437,7 @@ class Volunteer:
             self.status.batches_sent += 1
             if ack.accepted:
                 self.status.batches_acked += 1
+                self._keep_receipt(batch_id, ack.receipt)  # on disk before the batch leaves the outbox
                 self.outbox.remove(batch_id)
             else:
                 self.status.batches_rejected[ack.code or "?"] = self.status.batches_rejected.get(ack.code or "?", 0) + 1
@@ -438,12 +446,32 @@ class Volunteer:
                 self.display.event("rejected", f"[{self.name}] batch rejected: {ack.code} {ack.detail}",
                                    code=ack.code)
 
+    def _keep_receipt(self, batch_id: bytes, sealed: bytes) -> None:
+        from asyncrl.protocol import receipts
+
+        if not sealed:
+            self.status.receipts_missing += 1
+            return
+        try:
+            receipt = receipts.open_receipt(sealed, coordinator_key=self.coordinator_key,
+                                            volunteer_key=self.identity.public_key)
+            if receipt.batch_id != batch_id or receipt.run_id != self.run_id:
+                raise ProtocolError(RejectCode.MALFORMED, "receipt for another batch")
+        except ProtocolError as exc:
+            self.status.receipts_invalid += 1
+            self.display.event("warning", f"receipt for batch {batch_id.hex()[:12]} not kept: {exc}",
+                               code=exc.code.value)
+            return
+        if self.ledger.append(sealed):
+            self.status.receipts += 1
+
     def _write_status(self) -> None:
         from asyncrl.protocol.atomic import write_json_atomic
 
         swarm = self.swarm.stats() if getattr(self, "swarm", None) is not None else None
         write_json_atomic(self.cfg.data_dir / "status.json",
-                          {**asdict(self.status), "outbox": len(self.outbox), "run_id": self.run_id, "swarm": swarm})
+                          {**asdict(self.status), "outbox": len(self.outbox), "run_id": self.run_id, "swarm": swarm,
+                           "coordinator_peer_id": self.coordinator_peer_id})
 
     def shutdown(self) -> None:
         if getattr(self, "swarm", None) is not None:

@@ -15,7 +15,8 @@ generation audit (coordinator/audit.py: LOGPROB_MISMATCH now, or deferred to the
 Only rejects raised after the signature verified are charged to the signer (client stats, strikes in
 coordinator/access.py); earlier ones are charged to the transport peer.
 Accepted groups are written to the journal (coordinator/journal.py: an ack means "durable here") and
-go onto a bounded queue the learner drains. Back-pressure invariant: ingest never
+go onto a bounded queue the learner drains; the Ack then carries a coordinator-signed receipt
+(coordinator/receipts.py; a retried accepted batch gets the same receipt again). Back-pressure invariant: ingest never
 blocks the P2P loop; when the queue is full the batch is refused with RATE_LIMITED and stays in the
 volunteer's outbox for a later retry — nothing is dropped silently.
 """
@@ -69,7 +70,7 @@ class Ingest:
     def __init__(self, *, identity_public_key: bytes, run_id: str, board: TaskBoard, tokenizer, vocab_size: int,
                  current_version, max_batch_bytes: int, window_s: float, queue_groups: int = 256, journal=None,
                  access=None, auditor=None, sampling: messages.SamplingParams | None = None, is_published=None,
-                 stop_token_ids: tuple[int, ...] = (), context_limit: int | None = None):
+                 stop_token_ids: tuple[int, ...] = (), context_limit: int | None = None, receipts=None):
         self.audience = identity_public_key
         self.run_id = run_id
         self.board = board
@@ -94,6 +95,7 @@ class Ingest:
         self.sampling = sampling  # what leases promise; a batch claiming other sampling params is MALFORMED
         self.stop_token_ids = tuple(stop_token_ids)  # the pinned stop set (models/pinning.py); () = not checked
         self.context_limit = context_limit  # the model's context: a completion may also end there ("length")
+        self.receipts = receipts  # coordinator.receipts.ReceiptDesk or None (acks carry no receipt)
         self.verdicts: deque[dict] = deque(maxlen=1024)  # recent outcomes, newest last (trust.json, tests)
         self._reserved = 0  # queue slots held by batches being verified (room is checked before the nonce)
         # Lets `exact` rewards be re-scored without decoding most completions (tasks/rewards.py).
@@ -145,7 +147,9 @@ class Ingest:
             batch_id = exc.batch_id if hasattr(exc, "batch_id") else b""
             self._verdict(batch_id, signer, exc.code.value, "ingest")
             accepted = exc.code is RejectCode.DUPLICATE_BATCH  # the client may delete its copy
-            return messages.Ack(batch_id=batch_id, accepted=accepted, code=exc.code.value, detail=exc.detail)
+            receipt = self.receipts.lookup(batch_id) if accepted and self.receipts is not None else b""
+            return messages.Ack(batch_id=batch_id, accepted=accepted, code=exc.code.value, detail=exc.detail,
+                                receipt=receipt)
         rewards = [r for g in groups for r in g.rewards]
         accepted = AcceptedBatch(batch_id, batch.client_name, groups, float(np.mean(rewards)),
                                  batch.adapter_version, time.time(), signer=fingerprint(signer),
@@ -170,7 +174,19 @@ class Ingest:
         if self.access is not None:
             self.access.record_accepted(signer)
         self._verdict(batch_id, signer, "ACCEPTED", "ingest", audit=audit)
-        return messages.Ack(batch_id=batch_id, accepted=True)
+        return messages.Ack(batch_id=batch_id, accepted=True, receipt=self._receipt(signer, batch_id, batch, groups))
+
+    def _receipt(self, signer: bytes, batch_id: bytes, batch, groups) -> bytes:
+        """The signed receipt for an accepted batch (coordinator/receipts.py); b"" if it cannot be written:
+        the batch stays accepted (it is journalled and queued), only its proof is missing."""
+        if self.receipts is None:
+            return b""
+        try:
+            return self.receipts.issue(signer, batch_id, adapter_version=batch.adapter_version, groups=len(groups),
+                                       completions=sum(len(g.completions) for g in groups),
+                                       tokens=sum(len(c) for g in groups for c in g.completions))
+        except OSError:
+            return b""
 
     def _verify(self, data: bytes, reserved: list):
         data = bytes(data)

@@ -10,6 +10,7 @@ Components (each has one job; none references this hub):
   Learner     GRPO steps on the LoRA adapter; owns the version counter
   RunLog      metrics.jsonl + summary.json in the run directory
   Journal     (coordinator/journal.py) accepted batches on disk before their ack
+  ReceiptDesk (coordinator/receipts.py) a signed contribution receipt in every ack; receipts.bin
   Checkpointing (coordinator/checkpoint.py) atomic checkpoints every N steps and at exit; --resume
   Telemetry   (coordinator/telemetry.py) RunLog listener: stats, dashboard + /metrics, plots, trackers
   AccessControl (coordinator/access.py) open/allowlist, bans, rate limits, quotas, strikes
@@ -173,13 +174,16 @@ class Coordinator:
 
         self.access = AccessControl(AccessPolicy.from_config(cfg))  # who may talk, how often; strikes, bans
         self.auditor = Auditor.from_config(cfg, self.learner)  # logprob audit; shares the learner's base weights
+        from .receipts import ReceiptDesk
+
+        self.receipts = ReceiptDesk(self.identity, cfg.run_id, self.run_dir / "receipts.bin")  # signed proof per ack
         self.ingest = Ingest(identity_public_key=self.identity.public_key, run_id=cfg.run_id, board=self.board,
                              tokenizer=self.learner.tokenizer, vocab_size=self.learner.vocab_size,
                              current_version=lambda: self.learner.version,
                              is_published=lambda v: self.publish_worker.is_published(v),
                              max_batch_bytes=cfg.max_batch_bytes,
                              window_s=cfg.timestamp_window_s, journal=self.journal, access=self.access,
-                             auditor=self.auditor, sampling=messages.SamplingParams(
+                             auditor=self.auditor, receipts=self.receipts, sampling=messages.SamplingParams(
                                  temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens),
                              stop_token_ids=pin.stop_token_ids,  # finish reasons are derived from the tokens
                              context_limit=getattr(self.learner.model.config, "max_position_embeddings", None))
@@ -373,6 +377,7 @@ class Coordinator:
             "publisher": self.publish_worker.stats(),
             "batches_accepted": len(log),
             "batches_by_client": clients,
+            "receipts": self.receipts.summary(),  # per volunteer fingerprint: what its signed receipts add up to
             "rejected_by_client": rejected,
             "reward_first": mean([b.reward_mean for b in log[:k]]),
             "reward_last": mean([b.reward_mean for b in log[-k:]]),

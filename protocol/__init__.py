@@ -14,6 +14,8 @@ Who owns what:
   envelope.py  seal/open_envelope (sign exact bytes, verify before decoding) and ReplayGuard.
   codec.py     adapter tensor codec (keyframes and deltas, chunking).
   swarm.py     DHT swarm records: pointer/presence keys, who may write them, which pointer is newer.
+  receipts.py  coordinator-signed contribution receipts: seal, verify offline, the export file.
+  atomic.py    durable file writes (temp + fsync + rename) and fsynced append-only record logs.
 
 Exception tree (flat on purpose: branch on `.code`)::
 

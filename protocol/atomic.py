@@ -6,6 +6,11 @@ hidden temp file next to the target (per process and thread, so two writers neve
 it, rename it over the target, fsync the directory (without that, the rename itself can be lost).
 An ack that depends on bytes being on disk (the ingest journal, the client outbox) relies on this.
 
+Append-only logs (contribution receipts on both sides: protocol/receipts.py) use `append_record` /
+`read_records`: each record is `u32 length | bytes`, appended and fsynced before the call returns.
+A crash mid-append leaves a torn last record; `read_records` stops before it and `append_record`
+cuts it off first, so a log is always a sequence of whole records.
+
 It lives in `protocol/` because the bottom layer needs it too (Identity key files) and `protocol`
 imports nothing of ours.
 """
@@ -70,3 +75,48 @@ def read_json(path: str | os.PathLike, default: Any = None) -> Any:
 def is_temp(path: Path) -> bool:
     """True for a temp file `write_atomic` left behind (a crash between write and rename)."""
     return path.name.startswith(".") and path.name.endswith(".tmp")
+
+
+RECORD_HEADER = 4
+MAX_RECORD_BYTES = 1 << 20
+
+
+def read_records(path: str | os.PathLike, *, max_record_bytes: int = MAX_RECORD_BYTES) -> tuple[list[bytes], int]:
+    """(whole records, byte length they span) of an `append_record` log; ([], 0) when it is missing.
+    A torn or oversized tail record ends the log there (the caller may cut it off)."""
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        return [], 0
+    records, at = [], 0
+    while at + RECORD_HEADER <= len(data):
+        n = int.from_bytes(data[at:at + RECORD_HEADER], "big")
+        if n > max_record_bytes or at + RECORD_HEADER + n > len(data):
+            break
+        records.append(data[at + RECORD_HEADER:at + RECORD_HEADER + n])
+        at += RECORD_HEADER + n
+    return records, at
+
+
+def append_record(path: str | os.PathLike, record: bytes, *, good_length: int | None = None) -> int:
+    """Append one record durably (write + fsync; the directory too when the file is new). `good_length`:
+    where the whole records end, from `read_records`; a longer file (a torn append) is cut there first.
+    Returns the new length."""
+    path = Path(path)
+    if len(record) > MAX_RECORD_BYTES:
+        raise ValueError(f"record of {len(record)} bytes > {MAX_RECORD_BYTES}")
+    new = not path.exists()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        if good_length is not None and os.fstat(fd).st_size > good_length:
+            os.ftruncate(fd, good_length)
+        view = memoryview(len(record).to_bytes(RECORD_HEADER, "big") + record)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+        size = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    if new:
+        fsync_dir(path.parent)
+    return size

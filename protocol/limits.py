@@ -24,6 +24,9 @@ MAX_MANIFEST_BYTES = 1 * MiB
 # replicates them to several peers and silently drops oversized ones.
 MAX_POINTER_BYTES = 4 * KiB
 
+# A sealed contribution receipt (protocol/receipts.py) rides on every Ack: ~400 bytes in practice.
+MAX_RECEIPT_BYTES = 2 * KiB
+
 # Adapter chunks travel over P2P streams; 1 MiB is a good unit for hashing, resuming and
 # re-serving. A manifest may choose another size up to MAX_CHUNK_BYTES (the receiver's read buffer).
 DEFAULT_CHUNK_BYTES = 1 * MiB

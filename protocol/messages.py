@@ -28,7 +28,8 @@ import numpy as np
 from . import limits
 from .errors import ProtocolError, RejectCode
 
-SCHEMA_VERSION = 2  # 2: lease retry_after, manifest pins tokenizer + stop tokens (new fields have defaults, at the end)
+SCHEMA_VERSION = 2  # 2: fields added at the end, with defaults (lease retry_after and renewals, manifest pins
+# tokenizer + stop tokens, receipts, run end, client versions); one schema 2 across the branches that added them
 SHA256_BYTES = 32
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -197,6 +198,28 @@ class Ack(_Message):
     accepted: bool
     code: str | None = None  # a RejectCode value when not accepted
     detail: str = ""
+    # schema 2: the coordinator-signed Receipt for an accepted batch (protocol/receipts.py); b"" = none
+    receipt: Annotated[bytes, msgspec.Meta(max_length=limits.MAX_RECEIPT_BYTES)] = b""
+
+
+class Receipt(_Message):
+    """The coordinator's signed statement that it accepted one batch from `volunteer` (protocol/receipts.py).
+
+    Sealed as an envelope of kind "receipt", signed by the coordinator key (the one in the join address),
+    audience = the volunteer's key, so anyone holding the join address can verify it offline."""
+
+    run_id: str
+    volunteer: bytes  # Ed25519 public key that signed the batch
+    batch_id: bytes  # sha256 of the batch payload (the ingest id)
+    seq: int  # this key's n-th accepted batch in this run (1-based)
+    adapter_version: int
+    groups: int
+    completions: int
+    tokens: int  # completion tokens accepted
+    accepted_at: float  # coordinator clock
+    total_batches: int  # running totals for this key in this run, this receipt included
+    total_groups: int
+    total_tokens: int
 
 
 def rollout_batch_bytes_bound(*, groups: int, group_size: int, max_new_tokens: int, prompt_tokens: int) -> int:

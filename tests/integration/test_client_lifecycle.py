@@ -49,6 +49,8 @@ def test_first_ctrl_c_finishes_and_flushes(procs, coordinator, tmp_path):
     assert not list((data / "outbox").glob("*.batch")), "a clean stop uploads everything it generated"
     status = json.loads((data / "status.json").read_text())
     assert status["batches_rejected"] == {}
+    # every ack carried a receipt signed by the join address's key, and each one is in the ledger
+    assert status["receipts"] == status["batches_acked"] and status["receipts_invalid"] == 0
 
 
 def test_foreign_base_model_is_refused_with_one_line(procs, coordinator, tmp_path):

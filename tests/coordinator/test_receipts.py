@@ -1,0 +1,42 @@
+"""Every accepted batch's ack carries a signed receipt with running totals that outlive a restart."""
+
+from __future__ import annotations
+
+from asyncrl.coordinator.receipts import ReceiptDesk
+from asyncrl.protocol import receipts
+from asyncrl.protocol.identity import fingerprint
+from tests.coordinator.test_ingest_trust import ALICE, COORD, make_ingest, sealed_batch, tokenizer  # noqa: F401 (fixture)
+
+
+def test_acks_carry_receipts_with_running_totals(tokenizer, tmp_path):
+    ingest = make_ingest(tokenizer)
+    ingest.receipts = ReceiptDesk(COORD, "r", tmp_path / "receipts.bin")
+    acks = [ingest.handle(sealed_batch(ingest, tokenizer)) for _ in range(3)]
+    assert all(a.accepted and a.receipt for a in acks)
+    opened = [receipts.open_receipt(a.receipt, coordinator_key=COORD.public_key, volunteer_key=ALICE.public_key)
+              for a in acks]
+    assert [r.seq for r in opened] == [1, 2, 3]
+    assert [r.batch_id for r in opened] == [a.batch_id for a in acks]
+    assert all(r.groups == 1 and r.completions == 2 and r.tokens > 0 for r in opened)
+    assert opened[-1].total_tokens == sum(r.tokens for r in opened)
+    summary = ingest.receipts.summary()[fingerprint(ALICE.public_key)]
+    assert summary == {"batches": 3, "groups": 3, "tokens": opened[-1].total_tokens}
+
+    # a lost ack's retry gets the very same receipt; a restarted desk continues the totals from its log
+    sealed = sealed_batch(ingest, tokenizer)
+    first = ingest.handle(sealed)
+    again = ingest.handle(sealed)
+    assert again.code == "DUPLICATE_BATCH" and again.receipt == first.receipt
+    restarted = ReceiptDesk(COORD, "r", tmp_path / "receipts.bin")
+    assert restarted.summary() == ingest.receipts.summary()
+    assert restarted.lookup(first.batch_id) == first.receipt
+
+
+def test_rejected_batches_get_no_receipt(tokenizer, tmp_path):
+    ingest = make_ingest(tokenizer)
+    ingest.receipts = ReceiptDesk(COORD, "r", tmp_path / "receipts.bin")
+    sealed = bytearray(sealed_batch(ingest, tokenizer))
+    sealed[-1] ^= 1
+    ack = ingest.handle(bytes(sealed))
+    assert not ack.accepted and ack.code == "SIGNATURE_MISMATCH" and ack.receipt == b""
+    assert ingest.receipts.summary() == {}
