@@ -13,7 +13,8 @@ served to other volunteers (`asyncrl.swarm.serving`), also while it is still arr
 generating still fetches (and serves) new versions at once; `poll()` then just hands over the newest.
 Which pointer is newer is decided by `protocol.swarm.pointer_is_newer` (a later publish of another
 manifest): a coordinator restarted without its checkpoint, whose versions start again at 0, is
-followed; a replayed old pointer is not.
+followed; a replayed old pointer is not. A pointer with `finished` set ends the run (`finished`): the
+worker then stops asking for work and exits with its summary (or waits for the next run: `--follow`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class AdapterSync:
         self.run_id = run_id
         self.current: AdapterVersion | None = None
         self.pointer: messages.AdapterPointer | None = None
+        self.finished = False  # the coordinator's signed pointer says the run is over (at self.current)
         self._held: dict[int, AdapterVersion] = {}
         self._manifest_raw: dict[int, bytes] = {}
         self._coordinator_manifests_only = False
@@ -155,6 +157,9 @@ class AdapterSync:
             pointer, _ = swarm.check_pointer(raw, coordinator_key=self.key, run_id=self.run_id)
         if not swarm.pointer_is_newer(pointer, self.pointer):
             return None  # nothing new (and never backwards)
+        if pointer.finished and self.pointer is not None and pointer.manifest_sha256 == self.pointer.manifest_sha256:
+            self.pointer, self.finished = pointer, True  # the run ended at the version we hold
+            return None
         with self._lock:
             if self.current is not None and pointer.version <= self.current.version:
                 # Published later but numbered lower: the coordinator restarted without its checkpoint.
@@ -199,6 +204,7 @@ class AdapterSync:
                 del self._manifest_raw[v]
             self.store.prune()
             self.pointer = pointer
+            self.finished = pointer.finished
             self.last_timings = {k: round(v, 3) for k, v in timings.items()}  # of the newest fetch (status)
             self.current = self._held[start]
             return self.current

@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 
@@ -68,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     out = join.add_mutually_exclusive_group()
     out.add_argument("--quiet", action="store_true", help="only warnings and errors")
     out.add_argument("--json-logs", action="store_true", help="one JSON object per event (headless hosts)")
+    join.add_argument("--follow", action="store_true",
+                      help="when the coordinator's run finishes, wait for its next run instead of exiting")
+    doctor = sub.add_parser("doctor", help="check whether `join ADDRESS` would work here (exit 0 = yes), with a fix "
+                                           "for each failure; takes join's flags")
+    add_join_arguments(doctor)
+    doctor.add_argument("--json", action="store_true", help="print the rows as JSON")
     status = sub.add_parser("status", help="identity, outbox size and contribution so far (verified receipts)")
     status.add_argument("--data-dir", type=Path, default=default_data_dir())
     keys = sub.add_parser("keys", help="show (or create) this volunteer's identity key")
@@ -148,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         return show_status(args.data_dir)
     if args.command == "keys":
         return show_keys(args.data_dir, create=args.create)
+    if args.command == "doctor":
+        from . import doctor
+
+        return doctor.main(args)
     if args.command in ("receipts", "verify"):
         from . import receipts_cli
 
@@ -167,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.swarm.bootstrap import join_spec
     from asyncrl.swarm.transport import BadAddress, TransportError, check_reachable, parse_join_address
 
+    from .checks import DOCTOR_HINT
+
     from .swarm_member import swarm_config
 
     try:
@@ -176,16 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     except (BadAddress, ValueError) as exc:
         return fail(str(exc), 2)
     except TransportError as exc:
-        return fail(str(exc))
-
-    from asyncrl.protocol.errors import ProtocolError
+        return fail(f"{exc}; {DOCTOR_HINT}")
 
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    from .engine import EngineUnavailable
-    from .worker import BaseModelMismatch, EngineFailed, Volunteer, VolunteerConfig
+    from .worker import VolunteerConfig
 
     cfg = VolunteerConfig(address=args.address[0], more_addresses=tuple(args.address[1:]), data_dir=args.data_dir, name=args.name, model=args.model,
                           max_batches=args.max_batches, prompts_per_batch=args.prompts_per_batch,
@@ -193,11 +203,34 @@ def main(argv: list[str] | None = None) -> int:
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           max_outbox_bytes=args.max_outbox_mb * 1024 * 1024,
                           duty_cycle=args.duty_cycle, hold_version=args.hold_version, max_model_len=args.max_model_len,
+                          follow=args.follow,
                           display="quiet" if args.quiet else "json" if args.json_logs else "live", **swarm)
+    wait = 5.0
+    while True:
+        code, status = run_volunteer(cfg, args)
+        if not args.follow or code in (2, 130) or (status is not None and not status.run_finished):
+            return code
+        if code == 0 and status is not None:
+            wait = 5.0  # a run ended: the next Volunteer's handshake waits for the next run
+        else:  # --follow and the coordinator is down between runs: try again later
+            print(f"waiting {wait:.0f} s for the coordinator's next run (--follow)", flush=True)
+            time.sleep(wait)
+            wait = min(120.0, wait * 2)
+
+
+def run_volunteer(cfg, args) -> tuple[int, object]:
+    """One Volunteer from join to exit: (exit code, its VolunteerStatus or None)."""
+    from asyncrl.protocol.errors import ProtocolError
+    from asyncrl.swarm.transport import TransportError
+
+    from .checks import DOCTOR_HINT
+    from .engine import EngineUnavailable
+    from .worker import BaseModelMismatch, EngineFailed, JoinCheckFailed, RunFinished, Volunteer
+
     try:
         vol = Volunteer(cfg)
     except ProtocolError as exc:
-        return fail(f"{' '.join(args.address)!r}: {exc.detail}", 2)
+        return fail(f"{' '.join(args.address)!r}: {exc.detail}", 2), None
 
     def on_signal(signum):
         if vol.stop.is_set():
@@ -212,27 +245,34 @@ def main(argv: list[str] | None = None) -> int:
         vol.connect()
         print(f"joined as {vol.name} ({vol.identity.fingerprint}); run {vol.run_id}", flush=True)
         status = vol.run()
+    except RunFinished as exc:
+        print(f"asyncrl-client: {exc}", flush=True)
+        return 0, None
     except TransportError as exc:
-        return fail(str(exc))
+        return fail(f"{exc}; {DOCTOR_HINT}"), None
+    except JoinCheckFailed as exc:
+        return fail(f"{exc.check.code + ': ' if exc.check.code else ''}{exc}; {DOCTOR_HINT}"), None
     except ProtocolError as exc:
-        return fail(f"{exc.code.value}: {exc.detail}")
+        return fail(f"{exc.code.value}: {exc.detail}"), None
     except KeyboardInterrupt:
-        return fail("aborted; unsent batches stay in the outbox", 130)
+        return fail("aborted; unsent batches stay in the outbox", 130), None
     except BaseModelMismatch as exc:  # "<PinCode>: what differs, what to do"; nothing was generated or sent
-        return fail(str(exc), EXIT_BASE_MISMATCH)
+        return fail(str(exc), EXIT_BASE_MISMATCH), None
     except (EngineUnavailable, EngineFailed) as exc:
-        return fail(str(exc))
+        return fail(str(exc)), None
     except Exception as exc:
         if exc.__class__.__name__ == "OutOfMemoryError":
             from .engine import out_of_memory_hint
 
-            return fail(out_of_memory_hint(args.gpu_memory_utilization))
-        return fail(f"{exc.__class__.__name__}: {exc}")
+            return fail(out_of_memory_hint(args.gpu_memory_utilization)), None
+        return fail(f"{exc.__class__.__name__}: {exc}"), None
     finally:
         vol.shutdown()
-    print(f"done: {status.batches_acked} batches acked, {status.rollouts} rollouts, "
+    ended = f"run {vol.run_id!r} finished" if status.run_finished else "stopped"
+    print(f"done ({ended}): {status.batches_acked} batches acked, {status.receipts} signed receipts "
+          f"(`asyncrl-client status` totals them), {status.rollouts} rollouts, {status.tokens} tokens, "
           f"versions {status.versions_loaded[:1]}..{status.versions_loaded[-1:]}", flush=True)
-    return 0
+    return 0, status
 
 
 if __name__ == "__main__":

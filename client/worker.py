@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from asyncrl.protocol import envelope, limits, messages
+from asyncrl.protocol import envelope, handshake, limits, messages
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import Identity
 from asyncrl.swarm import streams
@@ -36,9 +36,12 @@ from asyncrl.swarm.streams import stream_name
 FAULT = os.environ.get("ASYNCRL_FAULT", "")
 MAX_BACKOFF_S = 30.0
 ENGINE_FAILURE_STREAK = 3  # works in a row in which the engine served no lease at all: the engine is broken
+FOLLOW_FIRST_WAIT_S, FOLLOW_MAX_WAIT_S = 5.0, 120.0  # --follow: how often to ask for the next run
 
 # Codes after which re-sending the same bytes can never succeed: drop the spooled copy.
 FINAL_REJECTS = {c.value for c in RejectCode} - {RejectCode.RATE_LIMITED.value, RejectCode.INTERNAL.value}
+# A lease refused with these ends the volunteer's run: asking again can never succeed.
+FINAL_LEASE_REJECTS = {RejectCode.UNSUPPORTED_VERSION, RejectCode.NOT_ALLOWED}
 
 
 @dataclass
@@ -60,6 +63,7 @@ class VolunteerConfig:
     duty_cycle: float = 1.0  # 0 < F <= 1: rest after each batch so busy / wall ~ F (client/pacing.py)
     max_model_len: int | None = None  # cap the engine's context (prompt + completion); None = the model's
     hold_version: int = 0  # EXPERIMENT-ONLY: generate with the adapter K versions behind (client/version_hold.py)
+    follow: bool = False  # when the run is over, wait for the coordinator's next run instead of exiting
     # swarm (client/swarm_member.py, docs/transport.md)
     coordinator: str | None = None  # coordinator peer id when `address` is another peer's (bootstrap only)
     more_addresses: tuple[str, ...] = ()  # further bootstrap addresses: any one that answers suffices
@@ -97,6 +101,7 @@ class VolunteerStatus:
     receipts: int = 0          # verified receipts added to the ledger (client/ledger.py)
     receipts_missing: int = 0  # acks that came without one (an older coordinator, or its disk failed)
     receipts_invalid: int = 0  # receipts that did not verify against the join address (never kept)
+    run_finished: bool = False  # the coordinator ended the run (signed pointer / RUN_FINISHED): we stopped
 
 
 class EngineFailed(RuntimeError):
@@ -111,6 +116,18 @@ class BaseModelMismatch(RuntimeError):
         self.code = str(code)
         self.detail = detail
         super().__init__(f"{self.code}: {detail}")
+
+
+class RunFinished(RuntimeError):
+    """The coordinator's run is over (its handshake says so): nothing to do until the next one (--follow)."""
+
+
+class JoinCheckFailed(RuntimeError):
+    """One of join's cheap checks failed (client/checks.py); `.check` is the row (id, detail, fix, code)."""
+
+    def __init__(self, check):
+        super().__init__(f"{check.detail}; {check.fix}" if check.fix else check.detail)
+        self.check = check
 
 
 class Volunteer:
@@ -157,7 +174,8 @@ class Volunteer:
                               client_mode=self.cfg.client_mode, host=self.cfg.host, port=self.cfg.port,
                               announce=self.cfg.announce, use_relay=self.cfg.use_relay,
                               use_auto_relay=self.cfg.use_auto_relay, relays=self.cfg.relays)
-        self.run_id = run_id or self._discover_run_id(timeout)
+        self.handshake = self._handshake()  # versions (the gate), run state, clock: before any work
+        self.run_id = run_id or self.handshake.info.run_id
         self.sync = AdapterSync(self.node, coordinator_peer_id=self.coordinator_peer_id,
                                 coordinator_key=self.coordinator_key, run_id=self.run_id)
         self.swarm = SwarmMembership(  # validator, serving, presence, background following, re-dialling
@@ -174,17 +192,40 @@ class Volunteer:
         self.idle = IdleBackoff(self.cfg.poll_s)
         self.hold = HeldAdapters(self.sync, self.cfg.hold_version) if self.cfg.hold_version else None
 
-    def _discover_run_id(self, timeout: float) -> str:
-        """The coordinator answers `asyncrl.info` with its run id (one coordinator per address)."""
-        deadline = time.time() + timeout
-        while True:
+    def _handshake(self):
+        """`asyncrl.info` (client/checks.py): refuse to start when the gate, the run state or the clock say no."""
+        from .checks import FAIL, WARN, cheap_join_checks
+
+        hs, checks = cheap_join_checks(self.node, self.coordinator_peer_id)
+        while hs.info.finished and self.cfg.follow and not self.stop.is_set():
+            hs, checks = self._wait_for_next_run(hs)
+        if hs.info.finished:
+            raise RunFinished(f"run {hs.info.run_id!r} has finished; nothing to do (`join --follow` waits for the next)")
+        for check in checks:
+            if check.status == FAIL:
+                raise JoinCheckFailed(check)
+            if check.status == WARN:
+                self.display.event("warning", f"warning: {check.detail}; {check.fix}")
+        return hs
+
+    def _wait_for_next_run(self, hs):
+        """--follow: ask the coordinator again, less and less often, until it runs an unfinished run."""
+        from asyncrl.swarm.bootstrap import rejoin
+
+        from .checks import cheap_join_checks
+
+        wait = FOLLOW_FIRST_WAIT_S
+        self.display.event("info", f"run {hs.info.run_id!r} has finished; waiting for the next one (--follow)")
+        while not self.stop.wait(wait):
+            wait = min(FOLLOW_MAX_WAIT_S, wait * 2)
             try:
-                return self.node.call(self.coordinator_peer_id, streams.INFO, b"", max_response_bytes=256,
-                                      timeout=10).decode()
-            except Exception:
-                if time.time() > deadline:
-                    raise
-                time.sleep(1.0)
+                rejoin(self.node, self.join.bootstrap)  # it may have restarted
+                hs, checks = cheap_join_checks(self.node, self.coordinator_peer_id)
+            except Exception:  # down between runs: keep waiting
+                continue
+            if not hs.info.finished:
+                return hs, checks
+        return hs, []
 
     def wait_for_adapter(self, timeout: float = 120.0):
         deadline = time.time() + timeout
@@ -232,13 +273,16 @@ class Volunteer:
             self.flush()  # batches left from a previous run go first
         except TransportError as exc:
             self.display.event("warning", f"could not upload spooled batches yet ({exc}); will retry")
-        while not self.stop.is_set():
+        while not self.stop.is_set() and not self.status.run_finished:
             if self.cfg.max_batches and self.status.batches_acked >= self.cfg.max_batches:
                 break
             try:
                 newer = self.sync.poll()
                 if newer is not None:
                     self._load(newer)
+                if self.sync.finished:  # the coordinator's signed pointer: the run is over
+                    self.status.run_finished = True
+                    break
                 if len(self.outbox) and self.outbox.size_bytes() >= self.outbox.max_bytes * 0.9:
                     # Bounded disk: stop producing until the coordinator takes what we have.
                     self.display.event("warning", f"outbox nearly full ({self.outbox.size_bytes()} bytes, cap "
@@ -266,6 +310,11 @@ class Volunteer:
                 self.status.busy_s, self.status.rested_s = self.pacer.busy_s, self.pacer.rested_s
                 backoff = 1.0
             except ProtocolError as exc:
+                if exc.code is RejectCode.RUN_FINISHED:
+                    self.status.run_finished = True
+                    break
+                if exc.code in FINAL_LEASE_REJECTS:  # no retry can help: say so and stop (cli.py prints it)
+                    raise
                 self.display.event("warning", f"warning: {exc.code.value}: {exc.detail}", code=exc.code.value)
                 if exc.code is RejectCode.RATE_LIMITED:  # back off like an empty grant, never hammer
                     self.stop.wait(self.idle.after_empty(0.0))
@@ -311,7 +360,8 @@ class Volunteer:
 
     def _lease(self) -> tuple[list[messages.TaskLease], float]:
         req = messages.LeaseRequest(run_id=self.run_id, max_prompts=self.cfg.prompts_per_batch,
-                                    adapter_version=self.serving_version, client_name=self.name)
+                                    adapter_version=self.serving_version, client_name=self.name,
+                                    client_version=handshake.package_version())
         sealed = envelope.seal(self.identity, "lease_request", messages.encode(req), audience=self.coordinator_key)
         raw = self.node.call(self.coordinator_peer_id, stream_name(self.run_id, streams.LEASE), sealed,
                              max_response_bytes=limits.MAX_LEASE_GRANT_BYTES)
@@ -443,6 +493,8 @@ class Volunteer:
                 self.status.batches_rejected[ack.code or "?"] = self.status.batches_rejected.get(ack.code or "?", 0) + 1
                 if ack.code in FINAL_REJECTS:
                     self.outbox.remove(batch_id)
+                if ack.code == RejectCode.RUN_FINISHED.value:
+                    self.status.run_finished = True  # what is still spooled can no longer be trained: dropped
                 self.display.event("rejected", f"[{self.name}] batch rejected: {ack.code} {ack.detail}",
                                    code=ack.code)
 

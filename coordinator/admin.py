@@ -6,6 +6,7 @@
     asyncrl-coordinator keys --run-dir runs/new --new     # create a key (never overwrites one)
     asyncrl-coordinator example-config > configs/coordinator.example.toml
     asyncrl-coordinator export --run-dir runs/r1 --out out/adapter [--merge]   # coordinator/export.py
+    asyncrl-coordinator finish --run-dir runs/demo        # end the run for good: volunteers exit with their summary
 
 `status` reads the dashboard URL from <run_dir>/dashboard.txt (or --url) and GETs /api/status; when
 no coordinator answers it falls back to what the run directory holds (summary.json, metrics.jsonl)
@@ -29,14 +30,16 @@ KEY_NAME = "coordinator.key"
 
 def add_subcommands(sub) -> None:
     for name, helptext in (("status", "show a running coordinator's state (via its dashboard) or a run dir's"),
-                           ("keys", "show the run's coordinator key (fingerprint, peer id); --new creates one")):
+                           ("keys", "show the run's coordinator key (fingerprint, peer id); --new creates one"),
+                           ("finish", "end the running coordinator's run for good (unlike Ctrl-C, which it can "
+                                      "--resume): it tells volunteers, who exit with their summary")):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("--config", default=None, help="coordinator TOML file (its run_dir is used)")
         p.add_argument("--run-dir", default=None, help=f"run directory (default: {CoordinatorConfig.run_dir})")
         if name == "status":
             p.add_argument("--url", default=None, help="dashboard URL (default: read <run_dir>/dashboard.txt)")
             p.add_argument("--json", action="store_true", help="print the raw /api/status JSON")
-        else:
+        elif name == "keys":
             p.add_argument("--key", default=None, help=f"key file (default: <run_dir>/{KEY_NAME})")
             p.add_argument("--new", action="store_true", help="create a new key; refuses to overwrite one")
     sub.add_parser("example-config", help="print an annotated TOML config with every field at its default")
@@ -70,6 +73,14 @@ def main(args) -> int:
     except ConfigError as exc:
         print(f"asyncrl-coordinator: invalid config: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if args.command == "finish":
+        from .run_end import request_finish
+
+        if not (run_dir / "config.json").exists():
+            print(f"asyncrl-coordinator: {run_dir} is not a run directory (no config.json)", file=sys.stderr)
+            return EXIT_FAIL
+        print(f"asked the coordinator of {run_dir} to finish ({request_finish(run_dir)})")
+        return EXIT_OK
     return keys(args, run_dir) if args.command == "keys" else status(args, run_dir)
 
 

@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--initial-peers", action="append", default=[], metavar="MULTIADDR",
                      help="join an existing DHT through this peer, e.g. a stock hivemind-dht node (repeatable; "
                           "any one that answers suffices)")
+    run.add_argument("--min-client-version", default=d.min_client_version,
+                     help="refuse volunteers older than this asyncrl release, telling them to upgrade")
+    run.add_argument("--refuse-client-versions", dest="refused_client_versions", default=d.refused_client_versions,
+                     type=lambda s: tuple(x for x in s.split(",") if x), help="comma list of known-bad volunteer releases")
     run.add_argument("--seed", type=int, default=d.seed)
     run.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ckpt = run.add_argument_group("checkpoints and tasks (docs/checkpoints.md, docs/tasks.md)")

@@ -153,6 +153,9 @@ class CoordinatorConfig:
     """...or after max_wait_s with at least min_groups."""
     publish_every: int = 1
     """Publish a new adapter version every this many optimizer steps."""
+    finish_grace_s: float = 10.0
+    """After the run finished (max_steps or `asyncrl-coordinator finish`), keep answering this long at most —
+    less once every live volunteer was told — so that volunteers learn it and exit (coordinator/run_end.py)."""
     max_staleness: int | None = 4
     """Drop batches generated with an adapter more than this many versions old (None = unlimited)."""
     keyframe_every: int = 10
@@ -241,6 +244,10 @@ class CoordinatorConfig:
     """...and to each such peer."""
     chunk_bytes: int = 1024 * 1024
     """Size of the adapter payload chunks volunteers fetch over P2P streams."""
+    min_client_version: str = ""
+    """Version gate: refuse volunteers running an asyncrl release older than this (e.g. "0.2.1"; "" = any)."""
+    refused_client_versions: tuple[str, ...] = ()
+    """Version gate: known-bad volunteer releases to refuse, with a message to upgrade (protocol/handshake.py)."""
 
     # trust: volunteers are untrusted (coordinator/access.py, coordinator/audit.py, docs/SECURITY.md)
     access_mode: str = "open"
@@ -305,6 +312,7 @@ class CoordinatorConfig:
             (self.max_steps >= 0, "max_steps must be >= 0"),
             (1 <= self.min_groups <= self.groups_per_step, "need 1 <= min_groups <= groups_per_step"),
             (self.max_wait_s > 0, "max_wait_s must be > 0"),
+            (0 <= self.finish_grace_s <= 3600, "finish_grace_s must be in [0, 3600]"),
             (self.publish_every >= 1, "publish_every must be >= 1"),
             (self.max_staleness is None or self.max_staleness >= 0, "max_staleness must be >= 0 or None"),
             (_loss_problem(self.loss) is None, f"loss: {_loss_problem(self.loss)}"),

@@ -3,7 +3,8 @@ when an idle volunteer should ask again.
 
 Beside the TaskBoard (which owns the prompts and their lease books), the desk owns the *policy* of
 granting: who may ask (access control: banned keys refused before the signature check, per-key rate
-and quota after it), and how much may be in flight. Back-pressure invariant: groups queued for the
+and quota after it; the version gate of coordinator/handshake.py, UNSUPPORTED_VERSION with what to upgrade,
+for volunteers that skipped the handshake), and how much may be in flight. Back-pressure invariant: groups queued for the
 learner + groups leased and not yet returned never exceed `max_inflight_groups`, so volunteers cannot
 race ahead into work that will be stale when it arrives (docs/decisions.md). Under `--sync` the
 SyncRound hands out one grant per live volunteer per version instead. Until `--wait-for-volunteers N`
@@ -42,7 +43,7 @@ from typing import Callable
 
 import numpy as np
 
-from asyncrl.protocol import envelope, messages
+from asyncrl.protocol import envelope, handshake, messages
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.tasks.sources import encode_prompt
 
@@ -157,7 +158,7 @@ class FairShare:
 
 class LeaseDesk:
     def __init__(self, policy: LeasePolicy, *, audience: bytes, board, ingest, access, tokenizer,
-                 current_version: Callable[[], int], sync_round=None, quorum=None, clock=time.monotonic):
+                 current_version: Callable[[], int], sync_round=None, quorum=None, clock=time.monotonic, gate=None):
         self.policy = policy
         self.audience = audience  # the coordinator's public key: requests sealed for anyone else are refused
         self.board, self.ingest, self.access, self.sync_round = board, ingest, access, sync_round
@@ -168,6 +169,7 @@ class LeaseDesk:
 
     def _proven(self, key: bytes) -> bool:
         return self.access.valid_streak(key) > 0
+        self.gate = gate  # coordinator.handshake.GatePolicy: the version gate, also for clients that skipped it
 
     def handle(self, request: bytes, peer: str = "") -> bytes:
         """Sealed LeaseRequest bytes -> encoded LeaseGrant; raises ProtocolError with a stable code."""
@@ -188,7 +190,18 @@ class LeaseDesk:
         opened = envelope.open_envelope(request, max_bytes=MAX_LEASE_REQUEST_BYTES, expected_kind="lease_request",
                                         expected_audience=self.audience, window_s=p.window_s)
         self.access.admit_identity(opened.signer)  # per-key rate, first-contact rate, quota
-        req = messages.decode(opened.payload, messages.LeaseRequest, max_bytes=MAX_LEASE_REQUEST_BYTES)
+        try:
+            req = messages.decode(opened.payload, messages.LeaseRequest, max_bytes=MAX_LEASE_REQUEST_BYTES)
+        except ProtocolError as exc:
+            if exc.code is RejectCode.UNSUPPORTED_VERSION:  # an older (or newer) volunteer: say what to upgrade
+                raise ProtocolError(exc.code, f"{exc.detail}; {handshake.upgrade_hint('client', handshake.package_version())}"
+                                    " (or, if the volunteer is the newer one, ask the operator to upgrade)") from None
+            raise
+        if self.gate is not None:
+            refusal = self.gate.refusal(protocol=envelope.PROTOCOL_VERSION, schema=req.schema,
+                                        client_version=req.client_version)
+            if refusal is not None:
+                raise ProtocolError(*refusal)
         if req.run_id != p.run_id:
             raise ProtocolError(RejectCode.WRONG_RUN, f"this coordinator runs {p.run_id!r}")
         version = self.current_version()

@@ -167,6 +167,8 @@ class PublishWorker:
         self._in_flight: Export | None = None
         self._in_flight_since: float | None = None
         self._closing = False
+        self._finishing = False  # finish(): store the run's final pointer, then refresh that one
+        self.final_pointer: bytes | None = None
         self._skipped: set[int] = set()
         # Versions up to the floor may be held by volunteers already (a resumed run's pre-crash lineage).
         self.published_version = published_floor
@@ -220,6 +222,21 @@ class PublishWorker:
                 self._cond.wait(left)
             return True
 
+    def finish(self, timeout: float | None = None) -> bool:
+        """The run is over: after whatever export still waits, store the final pointer (the newest version,
+        `finished` set: protocol/swarm.py finish_pointer) from this thread, the pointer's only writer; later
+        refreshes re-seal that one. True once it was stored (or tried: a failed store is refreshed too)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            self._finishing = True
+            self._cond.notify_all()
+            while self.final_pointer is None and not self._closing and self.publisher.latest is not None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+            return self.final_pointer is not None
+
     def stats(self) -> dict:
         with self._cond:
             busy = self._in_flight_since
@@ -251,7 +268,7 @@ class PublishWorker:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while self._pending is None and not self._closing:
+                while self._pending is None and not self._closing and not self._final_due_locked():
                     wait = self._last_store + self.refresh_s - time.monotonic()
                     if wait <= 0:
                         break
@@ -261,22 +278,40 @@ class PublishWorker:
                 export, self._pending = self._pending, None
                 self._in_flight, self._in_flight_since = export, time.monotonic()
             try:
-                if export is None:
-                    self._refresh()
-                else:
+                if export is not None:
                     self._publish(export)
+                elif self._final_due_locked():
+                    self._store_final()
+                else:
+                    self._refresh()
             finally:
                 with self._cond:
                     self._in_flight = self._in_flight_since = None
                     self._cond.notify_all()
 
+    def _final_due_locked(self) -> bool:
+        return self._finishing and self.final_pointer is None and self.publisher.latest is not None
+
+    def _store_final(self) -> None:
+        from asyncrl.protocol import swarm
+
+        final = swarm.finish_pointer(self.pointer.identity, self.publisher.latest.pointer_bytes)
+        self._last_store = time.monotonic()
+        try:
+            self.pointer.store(final)  # DHT + a push to the live volunteers
+        except Exception as exc:  # the refresh below stores it again
+            self.out(f"warning: final pointer not stored: {exc}")
+        with self._cond:
+            self.final_pointer = final
+            self._cond.notify_all()
+
     def _refresh(self) -> None:
         self._last_store = time.monotonic()
-        latest = self.publisher.latest
+        latest = self.final_pointer or (self.publisher.latest.pointer_bytes if self.publisher.latest else None)
         if latest is None:
             return
         try:
-            self.pointer.refresh(latest.pointer_bytes)  # re-sealed: a fresh timestamp bounds its expiry
+            self.pointer.refresh(latest)  # re-sealed: a fresh timestamp bounds its expiry
         except Exception as exc:  # keep refreshing; the DHT may be briefly unhappy
             self.out(f"warning: pointer refresh failed: {exc}")
 

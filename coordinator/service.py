@@ -11,6 +11,7 @@ Components (each has one job; none references this hub):
   RunLog      metrics.jsonl + summary.json in the run directory
   Journal     (coordinator/journal.py) accepted batches on disk before their ack
   ReceiptDesk (coordinator/receipts.py) a signed contribution receipt in every ack; receipts.bin
+  RunEnd      (coordinator/run_end.py) max_steps or `finish`: RUN_FINISHED, the final pointer, a short linger
   Checkpointing (coordinator/checkpoint.py) atomic checkpoints every N steps and at exit; --resume
   Telemetry   (coordinator/telemetry.py) RunLog listener: stats, dashboard + /metrics, plots, trackers
   AccessControl (coordinator/access.py) open/allowlist, bans, rate limits, quotas, strikes
@@ -18,7 +19,8 @@ Components (each has one job; none references this hub):
   TrustState  (coordinator/trust_state.py) trust.json, replay.bin, access.bin every few seconds
   VolunteerQuorum (coordinator/quorum.py) --wait-for-volunteers N: no lease, no step before N keys are in
 
-P2P handlers (stream names are scoped by run id): `manifest` (version -> sealed manifest),
+P2P handlers: the unscoped `asyncrl.info` handshake (coordinator/handshake.py: versions and the version
+gate, clock, run state, newest pointer, NAT dial-back); scoped by run id: `manifest` (version -> sealed manifest),
 `chunk` (version, index -> bytes), `lease` (sealed LeaseRequest -> LeaseGrant), `submit`
 (sealed RolloutBatch -> Ack). Handlers run on the P2P loop thread and push blocking work
 (verification, tokenizer) to a thread pool; the learner runs on the main thread and never waits on
@@ -37,12 +39,15 @@ from pathlib import Path
 
 from asyncrl.protocol import messages
 from asyncrl.protocol.atomic import read_json, write_json_atomic
+from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import Identity
 from asyncrl.swarm import streams
 from asyncrl.swarm.streams import stream_name
 
 from .config import CoordinatorConfig
 from .leasing import MAX_LEASE_REQUEST_BYTES
+
+FINAL_POINTER_WAIT_S = 90.0  # at the run's end the publisher thread may still be storing the last version
 
 
 def resolve_model(cfg: CoordinatorConfig, *, out=print):
@@ -96,6 +101,9 @@ class Coordinator:
         self.telemetry = Telemetry(cfg, self.run_dir, out=out)
         self.log = RunLog(self.run_dir / "metrics.jsonl", listeners=[self.telemetry.observe])
         self.t0 = time.time()
+        from .run_end import RunEnd
+
+        self.run_end = RunEnd(self.run_dir, active_window_s=cfg.lease_timeout_s)  # max_steps / `finish`: say so
 
     # ---- start-up ---------------------------------------------------------------------------
     def start(self) -> str:
@@ -193,6 +201,7 @@ class Coordinator:
             from .sync_round import SyncRound
 
             self.sync_round = SyncRound(self.ingest, self.board, live_s=cfg.lease_timeout_s)
+        from .handshake import GatePolicy
         from .leasing import LeaseDesk, LeasePolicy
         from .quorum import VolunteerQuorum
 
@@ -200,7 +209,7 @@ class Coordinator:
         self.lease_desk = LeaseDesk(LeasePolicy.from_config(cfg), audience=self.identity.public_key, board=self.board,
                                     ingest=self.ingest, access=self.access, tokenizer=self.learner.tokenizer,
                                     current_version=lambda: self.publish_worker.published_version,
-                                    sync_round=self.sync_round, quorum=self.quorum)
+                                    sync_round=self.sync_round, quorum=self.quorum, gate=GatePolicy.from_config(cfg))
         self.publisher = Publisher(self.identity, run_id=cfg.run_id, base_model=self.base_model,
                                    base_revision=self.base_revision, lora=self.lora,
                                    keyframe_every=cfg.keyframe_every, chunk_bytes=cfg.chunk_bytes,
@@ -268,17 +277,37 @@ class Coordinator:
     def _serve_handlers(self) -> None:
         cfg, node = self.cfg, self.node
 
+        def lease_or_finished(request: bytes, peer: str) -> bytes:  # under the gate: finishing waits for it
+            self.run_end.seen(peer)
+            if self.run_end.finished:
+                self.run_end.told(peer)
+                raise ProtocolError(RejectCode.RUN_FINISHED, self._finished_detail())
+            return self.lease_desk.handle(request, peer)
+
+        def ingest_or_finished(request: bytes, peer: str) -> messages.Ack:
+            self.run_end.seen(peer)
+            if self.run_end.finished:  # it could no longer be trained: the volunteer drops it
+                self.run_end.told(peer)
+                return messages.Ack(batch_id=b"", accepted=False, code=RejectCode.RUN_FINISHED.value,
+                                    detail=self._finished_detail())
+            return self.ingest.handle(request, peer)
+
         async def lease(request: bytes, peer: str) -> bytes:  # bounded pool: a full queue is RATE_LIMITED
-            return await node.run_blocking(self.gate.run, self.lease_desk.handle, request, peer)
+            return await node.run_blocking(self.gate.run, lease_or_finished, request, peer)
 
         async def submit(request: bytes, peer: str) -> bytes:
-            ack = await node.run_blocking(self.gate.run, self.ingest.handle, request, peer)
+            ack = await node.run_blocking(self.gate.run, ingest_or_finished, request, peer)
             return messages.encode(ack)
 
-        async def info(request: bytes, peer: str) -> bytes:
-            return cfg.run_id.encode()
+        from asyncrl.protocol.handshake import MAX_INFO_REQUEST_BYTES
 
-        node.serve(streams.INFO, info, max_request_bytes=64)
+        from .handshake import GatePolicy, HandshakeDesk
+
+        self.handshake = HandshakeDesk(run_id=cfg.run_id, gate=GatePolicy.from_config(cfg),
+                                       window_s=cfg.timestamp_window_s, max_staleness=cfg.max_staleness,
+                                       lease_timeout_s=cfg.lease_timeout_s, pointer=lambda: self.pointer.last,
+                                       finished=lambda: self.run_end.finished)
+        node.serve(streams.INFO, self.handshake.handle, max_request_bytes=MAX_INFO_REQUEST_BYTES, with_addr=True)
         from asyncrl.swarm.serving import AdapterServer, ServeBudget
 
         # manifest + chunk handlers: banned peers refused; keys with accepted batches served first (docs/transport.md)
@@ -312,7 +341,8 @@ class Coordinator:
         cfg = self.cfg
         logged = 0
         self.quorum.wait(self.stop)  # --wait-for-volunteers: no step before N volunteers are in (returns at once by default)
-        while not self.stop.is_set() and (cfg.max_steps == 0 or self.learner.steps < cfg.max_steps):
+        while (not self.stop.is_set() and (cfg.max_steps == 0 or self.learner.steps < cfg.max_steps)
+               and not self.run_end.requested()):
             if self.sync_round is not None:
                 items = self.sync_round.take(self.learner.version, self.stop)
             else:
@@ -354,10 +384,28 @@ class Coordinator:
             if self.learner.steps % 10 == 0:
                 self.out(f"step {self.learner.steps:4d}  v{self.learner.version:<4d} reward {result.reward_mean:.3f}  "
                          f"loss {result.loss:+.4f}  groups {result.groups_used}  clients {len(self.ingest.clients)}")
+        if not self.stop.is_set():  # max_steps reached or `asyncrl-coordinator finish`: over for good
+            self._finish("max_steps" if cfg.max_steps and self.learner.steps >= cfg.max_steps else "finish requested")
         if self.checkpoints.final():  # max_steps reached, or SIGTERM/SIGINT set self.stop
             self.log.write("checkpoint", step=self.learner.steps, version=self.learner.version, final=True,
                            seconds=self.checkpoints.seconds)
-        return self.summary()
+        summary = self.summary()
+        if self.run_end.finished:  # volunteers still polling the DHT through us learn it (coordinator/run_end.py)
+            self.run_end.linger(cfg.finish_grace_s, self.stop)
+        return summary
+
+    def _finish(self, reason: str) -> None:
+        """End the run for good: refuse work with RUN_FINISHED and publish the final signed pointer."""
+        with self.gate.closed():  # no lease or batch in flight: the summary's books stay balanced
+            self.run_end.finish(reason)
+        if not self.publish_worker.finish(timeout=FINAL_POINTER_WAIT_S):
+            self.out("warning: the final pointer is not stored yet; volunteers learn the end from RUN_FINISHED")
+        self.log.write("finished", reason=reason, step=self.learner.steps, version=self.learner.version)
+        self.out(f"run {self.cfg.run_id} finished ({reason}) at step {self.learner.steps}, v{self.learner.version}")
+
+    def _finished_detail(self) -> str:
+        return (f"run {self.cfg.run_id!r} finished ({self.run_end.reason}) at step {self.learner.steps}, "
+                f"adapter v{self.learner.version}")
 
     def summary(self) -> dict:
         import torch
@@ -372,6 +420,7 @@ class Coordinator:
         mean = lambda xs: float(sum(xs) / len(xs)) if xs else 0.0
         summary = {
             "run_id": self.cfg.run_id,
+            "finished": self.run_end.finished,  # over for good (max_steps / finish); False after Ctrl-C (resumable)
             "trainer_steps": self.learner.steps,
             "adapter_versions_published": self.publish_worker.published,  # by this process (superseded: not)
             "publisher": self.publish_worker.stats(),

@@ -12,6 +12,10 @@ duplicate. `open_envelope` runs its checks cheapest first so hostile input costs
 size -> magic -> expected signer -> signature -> body decode -> kind -> audience -> timestamp -> nonce.
 Replay protection across calls is `ReplayGuard`'s job: open first, then `check_and_remember`.
 
+Clock: `seal` stamps envelopes with `clock()`, the wall clock plus ASYNCRL_TEST_CLOCK_SKEW_S seconds when that
+variable is set — a test-only way to give one process a wrong clock (tests/integration/test_doctor.py);
+nothing else reads it.
+
 Audience rule: a sealed audience must equal `expected_audience` exactly (a broadcast envelope is not
 accepted where a directed one is expected, and vice versa); `expected_audience=None` skips the check.
 """
@@ -31,10 +35,19 @@ from .errors import ProtocolError, RejectCode
 from .identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, verify_signature
 from .limits import NONCE_BYTES, TIMESTAMP_WINDOW_S
 
-MAGIC = b"ARL1"
+PROTOCOL_VERSION = 1
+"""The envelope format; MAGIC ends in it (protocol/handshake.py reports it to the other side)."""
+MAGIC = b"ARL" + str(PROTOCOL_VERSION).encode()
 DOMAIN = b"asyncrl-envelope-v1\x00"  # domain separation: these signatures mean nothing elsewhere
 BROADCAST = bytes(PUBLIC_KEY_BYTES)
 HEADER_BYTES = len(MAGIC) + PUBLIC_KEY_BYTES + SIGNATURE_BYTES
+CLOCK_SKEW_ENV = "ASYNCRL_TEST_CLOCK_SKEW_S"
+_SKEW_S = float(os.environ.get(CLOCK_SKEW_ENV) or 0.0)
+
+
+def clock() -> float:
+    """The clock this process stamps envelopes with (see the module docstring)."""
+    return time.time() + _SKEW_S
 
 
 class EnvelopeBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -75,7 +88,7 @@ def seal(
     nonce = os.urandom(NONCE_BYTES) if nonce is None else bytes(nonce)
     if len(nonce) != NONCE_BYTES:
         raise ValueError(f"nonce must be {NONCE_BYTES} bytes")
-    timestamp = time.time() if now is None else float(now)
+    timestamp = clock() if now is None else float(now)
     if not math.isfinite(timestamp):
         raise ValueError("timestamp must be finite")
     body = _body_encoder.encode(

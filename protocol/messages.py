@@ -153,6 +153,7 @@ class AdapterPointer(_Message):
     manifest_sha256: bytes
     keyframe_version: int
     published_at: float
+    finished: bool = False  # schema 2: the run is over (max_steps reached or stopped for good); `version` is final
 
 
 class LeaseRequest(_Message):
@@ -164,6 +165,7 @@ class LeaseRequest(_Message):
     # A request with max_prompts = 0 only renews.
     renew: Annotated[tuple[Annotated[str, msgspec.Meta(max_length=128)], ...],
                      msgspec.Meta(max_length=limits.MAX_GROUPS_PER_BATCH)] = ()
+    client_version: str = ""  # schema 2: the volunteer's asyncrl release (the coordinator's version gate)
 
 
 class LeaseRenewal(_Record):

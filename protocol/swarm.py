@@ -33,6 +33,7 @@ The coordinator therefore re-seals the pointer (same payload, new timestamp) on 
 Which pointer is newer (`pointer_is_newer`): a different manifest with a later `published_at`. That
 is the coordinator's clock, not the version number, so a coordinator restarted without its checkpoint
 (versions start again at 0) is followed, while replayed old pointers (older `published_at`) are not.
+The run's end is a pointer too: the last manifest again, later, with `finished` set (`finish_pointer`).
 """
 
 from __future__ import annotations
@@ -156,6 +157,18 @@ def check_pointer(value: bytes, *, coordinator_key: bytes, run_id: str, expirati
     return pointer, opened.timestamp
 
 
+def finish_pointer(identity: Identity, sealed: bytes, *, now: float | None = None) -> bytes:
+    """The final pointer: the latest pointer's version and manifest, published now, with `finished` set."""
+    opened = envelope.open_envelope(sealed, max_bytes=limits.MAX_POINTER_BYTES, expected_kind=POINTER_KIND,
+                                    expected_audience=envelope.BROADCAST, expected_signer=identity.public_key,
+                                    window_s=None)
+    last = messages.decode_pointer(opened.payload)
+    final = messages.AdapterPointer(run_id=last.run_id, version=last.version, manifest_sha256=last.manifest_sha256,
+                                    keyframe_version=last.keyframe_version, finished=True,
+                                    published_at=max(time.time() if now is None else now, last.published_at + 1e-3))
+    return envelope.seal(identity, POINTER_KIND, messages.encode(final))
+
+
 def reseal_pointer(identity: Identity, sealed: bytes) -> bytes:
     """The same pointer payload under a fresh signature and timestamp (for refreshing the record)."""
     opened = envelope.open_envelope(sealed, max_bytes=limits.MAX_POINTER_BYTES, expected_kind=POINTER_KIND,
@@ -165,10 +178,13 @@ def reseal_pointer(identity: Identity, sealed: bytes) -> bytes:
 
 
 def pointer_is_newer(new: messages.AdapterPointer, held: messages.AdapterPointer | None) -> bool:
-    """True if `new` names another manifest published later than `held` (see the module docstring)."""
+    """True if `new` names another manifest published later than `held` (see the module docstring), or is
+    the later, final pointer of the same manifest (the run finished at that version)."""
     if held is None:
         return True
-    return new.manifest_sha256 != held.manifest_sha256 and new.published_at > held.published_at
+    if new.published_at <= held.published_at:
+        return False
+    return new.manifest_sha256 != held.manifest_sha256 or (new.finished and not held.finished)
 
 
 def manifest_matches(raw_manifest: bytes, pointer: messages.AdapterPointer) -> bool:

@@ -1,11 +1,12 @@
 """Every P2P stream name the swarm serves, built in one place.
 
 Run-scoped streams are `asyncrl.<run id>.<kind>`, so one p2pd can serve several runs and a peer of
-another run gets "no such handler", never a wrong answer. `INFO` is the only unscoped one: it answers
-the run id, which a volunteer needs before it can name anything else.
+another run gets "no such handler", never a wrong answer. `INFO` is the only unscoped one: the
+handshake (protocol/handshake.py) that tells a volunteer the run id — it needs it before it can name
+anything else — with the coordinator's versions, version gate, clock and run state.
 
     kind       served by                 request -> response
-    info       coordinator               b"" -> run id
+    info       coordinator               InfoRequest -> CoordinatorInfo (msgpack); b"" -> bare run id (asyncrl 0.1)
     manifest   coordinator, volunteers   u64 version [| u32 wait_ms] -> sealed manifest
     chunk      coordinator, volunteers   u64 version | u32 index [| u32 wait_ms] -> chunk bytes
     pointer    volunteers                sealed pointer (a push) -> b""

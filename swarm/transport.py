@@ -154,7 +154,7 @@ def _error_frame(exc: ProtocolError) -> bytes:
 
 
 def stream_handler(gate: InboundGate, name: str, handler: Handler, *, max_request_bytes: int,
-                   admit: Callable[[str], None] | None = None):
+                   admit: Callable[[str], None] | None = None, with_addr: bool = False):
     """The coroutine hivemind runs for each inbound stream of handler `name`: one framed request through
     `gate` (swarm/inbound.py), one framed answer. Module-level so tests drive it with plain asyncio streams."""
 
@@ -175,7 +175,8 @@ def stream_handler(gate: InboundGate, name: str, handler: Handler, *, max_reques
                         request = await gate.read_exactly(reader, length, gate.limits.body_deadline_s(length),
                                                           "request body")
                         read = True
-                        response = await handler(request, peer)
+                        response = await (handler(request, peer, str(info.addr)) if with_addr
+                                          else handler(request, peer))
                         del request
                     writer.write(bytes([STATUS_OK]) + _frame(response))
                 except ProtocolError as exc:
@@ -281,11 +282,13 @@ class SwarmNode:
 
     # ---- request / response over streams ---------------------------------------------------
     def serve(self, name: str, handler: Handler, *, max_request_bytes: int,
-              admit: Callable[[str], None] | None = None) -> None:
+              admit: Callable[[str], None] | None = None, with_addr: bool = False) -> None:
         """`admit(peer_id)` (optional) runs before the request is read; its ProtocolError is the answer
         (e.g. a banned or rate-limited peer: coordinator/access.py). Every stream passes this node's
-        InboundGate first (swarm/inbound.py: stream caps, read deadlines, the global byte budget)."""
-        on_stream = stream_handler(self.inbound, name, handler, max_request_bytes=max_request_bytes, admit=admit)
+        InboundGate first (swarm/inbound.py: stream caps, read deadlines, the global byte budget).
+        `with_addr`: the handler also gets the caller's multiaddr as this side sees it (the handshake's NAT check)."""
+        on_stream = stream_handler(self.inbound, name, handler, max_request_bytes=max_request_bytes, admit=admit,
+                                   with_addr=with_addr)
         self.loops.run(self.p2p.add_binary_stream_handler(name, on_stream), timeout=30)
 
     async def run_blocking(self, fn, *args):

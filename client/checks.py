@@ -1,0 +1,138 @@
+"""The checks `join` and `doctor` share: each returns a `Check` row (stable id, status, detail, fix).
+
+`join` runs the cheap ones before it loads anything (TCP reach, the handshake with the version gate, the
+run's state and the clock offset) and stops at the first failure, pointing to `doctor`; `doctor`
+(client/doctor.py) runs all of them and prints the table. Statuses: pass · warn (join works, but see
+the fix) · fail (join would not work) · skip (not checked: an earlier row failed).
+
+Clock: the offset is measured against the coordinator's clock in its handshake answer, at the midpoint
+of the round trip, using the clock our envelopes are stamped with (`envelope.clock()`, which tests skew
+with ASYNCRL_TEST_CLOCK_SKEW_S). Beyond the envelope window (±300 s by default) every batch would be
+refused EXPIRED; beyond DHT_CLOCK_TOLERANCE_S hivemind's DHT expirations run early or late.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+from asyncrl.protocol import envelope, handshake
+from asyncrl.protocol.errors import ProtocolError
+
+PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
+DHT_CLOCK_TOLERANCE_S = 3.0
+INFO_TIMEOUT_S = 15.0
+DOCTOR_HINT = "run `asyncrl-client doctor` with the same address and flags for a full diagnosis"
+
+
+@dataclass
+class Check:
+    id: str
+    status: str
+    detail: str
+    fix: str = ""
+    code: str = ""  # a RejectCode value where one explains the failure (tests assert on it)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Handshake:
+    info: handshake.CoordinatorInfo
+    offset_s: float  # coordinator clock - our (envelope) clock
+    rtt_s: float
+
+
+def tcp_check(addr) -> Check:
+    from asyncrl.swarm.transport import TransportError, check_reachable
+
+    if addr.host is None or addr.port is None:
+        return Check("tcp", PASS, f"{addr.maddr}: not a TCP address, left to libp2p")
+    try:
+        check_reachable(addr)
+    except TransportError as exc:
+        return Check("tcp", FAIL, str(exc), f"check that the coordinator runs and that {addr.host}:{addr.port} is "
+                                            "its --port (not the dashboard's), open in its firewall and forwarded "
+                                            "on its router; copy the address the coordinator printed")
+    return Check("tcp", PASS, f"{addr.host}:{addr.port} accepts TCP connections")
+
+
+def exchange(node, coordinator_peer_id: str, *, dial_back_ports: tuple[int, ...] = (),
+             timeout: float = INFO_TIMEOUT_S) -> Handshake:
+    """One InfoRequest -> CoordinatorInfo round trip (TransportError / ProtocolError on failure)."""
+    from asyncrl.swarm import streams
+
+    request = handshake.InfoRequest(client_version=handshake.package_version(),
+                                    dial_back_ports=tuple(dial_back_ports)[:handshake.MAX_DIAL_BACK_PORTS])
+    t0 = envelope.clock()
+    raw = node.call(coordinator_peer_id, streams.INFO, handshake.encode(request),
+                    max_response_bytes=handshake.MAX_INFO_BYTES, timeout=timeout)
+    t1 = envelope.clock()
+    info = handshake.decode_info(raw)
+    return Handshake(info, info.time - (t0 + t1) / 2, t1 - t0)
+
+
+def version_check(hs: Handshake | None, *, local: str) -> Check:
+    if hs is None:
+        return Check("versions", SKIP, f"{local}; the coordinator's versions are unknown (it was not reached)")
+    info = hs.info
+    theirs = f"coordinator asyncrl {info.asyncrl_version} (protocol {info.protocol}, schema {info.schema})"
+    refusal = handshake.coordinator_refusal(info, client_version=handshake.package_version())
+    if refusal is not None:
+        return Check("versions", FAIL, f"{refusal[0].value}: {local}; {theirs}", refusal[1], code=refusal[0].value)
+    return Check("versions", PASS, f"{local}; {theirs}")
+
+
+def run_state_check(hs: Handshake) -> Check | None:
+    if hs.info.finished:
+        return Check("run", FAIL, f"run {hs.info.run_id!r} has finished", "nothing to do until the operator starts "
+                                  "another run; `join --follow` waits for it")
+    return None
+
+
+def clock_check(hs: Handshake | None) -> Check:
+    if hs is None:
+        return Check("clock", SKIP, "the coordinator was not reached")
+    off, window = hs.offset_s, hs.info.window_s
+    detail = f"this machine's clock is {-off:+.1f} s from the coordinator's (round trip {hs.rtt_s * 1000:.0f} ms)"
+    fix = "synchronise the clock (e.g. `timedatectl set-ntp true`, or enable automatic time in your OS settings)"
+    if abs(off) > window:
+        return Check("clock", FAIL, f"{detail}: beyond the ±{window:.0f} s envelope window, every batch would be "
+                                    "refused EXPIRED", fix, code="EXPIRED")
+    if abs(off) > DHT_CLOCK_TOLERANCE_S:
+        return Check("clock", WARN, f"{detail}: beyond the DHT's {DHT_CLOCK_TOLERANCE_S:.0f} s tolerance", fix)
+    return Check("clock", PASS, detail)
+
+
+def local_versions() -> str:
+    import platform
+
+    return (f"python {platform.python_version()}, asyncrl {handshake.package_version()} "
+            f"(protocol {handshake.PROTOCOL_VERSION}, schema {handshake.SCHEMA_VERSION})")
+
+
+def first_failure(checks: list[Check]) -> Check | None:
+    return next((c for c in checks if c.status == FAIL), None)
+
+
+def cheap_join_checks(node, coordinator_peer_id: str) -> tuple[Handshake, list[Check]]:
+    """What `join` checks once its node is up: the handshake (versions, run state, clock). Raises
+    TransportError when the coordinator does not answer."""
+    deadline = time.time() + INFO_TIMEOUT_S * 4
+    while True:
+        try:
+            hs = exchange(node, coordinator_peer_id)
+            break
+        except ProtocolError:
+            raise
+        except Exception:
+            if time.time() > deadline:
+                raise
+            time.sleep(1.0)
+    checks = [version_check(hs, local=local_versions())]
+    state = run_state_check(hs)
+    if state is not None:
+        checks.append(state)
+    checks.append(clock_check(hs))
+    return hs, checks
