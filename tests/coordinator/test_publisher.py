@@ -40,6 +40,8 @@ class StallingPointer:
     """The DHT pointer store, with a valve: while `shut`, `store` blocks (a slow DHT). Writes what it
     stored into `dht` (the volunteer's view), and records versions as stores begin and end."""
 
+    identity = COORD  # PointerRecord's signing key (the run's final pointer is sealed by the worker)
+
     def __init__(self, dht: DhtValues):
         self.dht = dht
         self.open = threading.Event()
@@ -304,4 +306,18 @@ def test_ingest_refuses_batches_claiming_a_superseded_version(tiny_path, tmp_pat
     for v in (1, 3):
         ack = ingest.handle(sealed_batch(board, tok, v))
         assert ack.accepted and ack.code is None, ack
+    hub.worker.close()
+
+
+def test_the_final_pointer_follows_the_last_version_and_volunteers_see_the_end(tiny_path, tmp_path):
+    hub = Hub(tiny_path, tmp_path)
+    vol = volunteer(hub)
+    hub.publish()
+    hub.step_and_publish()  # v1 may still be in flight when the run ends: it is stored first
+    assert hub.worker.finish(timeout=60)
+    got = vol.refresh()
+    assert got is not None and got.version == 1 and vol.finished  # fetched v1, and the run ended there
+    assert pointer_version(hub.worker.final_pointer) == 1
+    hub.worker._refresh()  # later refreshes re-seal the final pointer, never the last unfinished one
+    assert vol.refresh() is None and vol.finished
     hub.worker.close()
