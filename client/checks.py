@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from asyncrl.protocol import envelope, handshake
-from asyncrl.protocol.errors import ProtocolError
+from asyncrl.protocol.errors import ProtocolError, RejectCode
 
 PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
 DHT_CLOCK_TOLERANCE_S = 3.0
@@ -66,8 +66,14 @@ def exchange(node, coordinator_peer_id: str, *, dial_back_ports: tuple[int, ...]
     request = handshake.InfoRequest(client_version=handshake.package_version(),
                                     dial_back_ports=tuple(dial_back_ports)[:handshake.MAX_DIAL_BACK_PORTS])
     t0 = envelope.clock()
-    raw = node.call(coordinator_peer_id, streams.INFO, handshake.encode(request),
-                    max_response_bytes=handshake.MAX_INFO_BYTES, timeout=timeout)
+    try:
+        raw = node.call(coordinator_peer_id, streams.INFO, handshake.encode(request),
+                        max_response_bytes=handshake.MAX_INFO_BYTES, timeout=timeout)
+    except ProtocolError as exc:
+        if exc.code is RejectCode.PAYLOAD_TOO_LARGE:  # asyncrl 0.1 reads at most 64 bytes here
+            raise ProtocolError(RejectCode.UNSUPPORTED_VERSION, "the coordinator runs asyncrl 0.1 (schema 1): "
+                                + handshake.upgrade_hint("coordinator", "0.1.0")) from None
+        raise
     t1 = envelope.clock()
     info = handshake.decode_info(raw)
     return Handshake(info, info.time - (t0 + t1) / 2, t1 - t0)

@@ -4,9 +4,11 @@ Ingest calls `issue(...)` once a batch is accepted and queued, and puts the seal
 a retry of an accepted batch (DUPLICATE_BATCH, e.g. after a lost ack) gets the same receipt again from
 `lookup`. Each receipt carries the running totals of its key in this run, so the desk keeps them per
 key, and appends every receipt to `<run_dir>/receipts.bin` (`u32 length | sealed receipt`, fsynced)
-*before* the ack leaves: the totals survive a restart (rebuilt from the log at start) and the log is
-the operator's record of who contributed what (`summary.json` "receipts", the dashboard's
-contributors table). Memory: the totals (one small record per key) and the last LOOKUP_KEEP receipts.
+*before* the ack leaves: the log is the operator's record of who contributed what (`summary.json`
+"receipts", the dashboard's contributors table). Every SNAPSHOT_EVERY receipts the totals and the log
+offset they cover go to `receipts.totals.json` (atomic), so a restart reads the snapshot and replays
+only the log after it — not days of receipts. Memory: the totals (one small record per key) and the
+last LOOKUP_KEEP receipts.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from asyncrl.protocol import messages, receipts
-from asyncrl.protocol.atomic import append_record, read_records
+from asyncrl.protocol.atomic import append_record, read_json, read_records, write_json_atomic
 from asyncrl.protocol.identity import Identity, fingerprint
 
 LOOKUP_KEEP = 16384
 """Receipts remembered by batch id for a retried batch (a lost ack is retried within minutes)."""
+SNAPSHOT_EVERY = 256
 
 
 @dataclass
@@ -42,11 +45,21 @@ class ReceiptDesk:
         self.totals: dict[bytes, KeyTotals] = {}
         self._recent: OrderedDict[bytes, bytes] = OrderedDict()
         self._good_length = 0
+        self._since_snapshot = 0
         if path is not None:
+            self.snapshot_path = path.with_name(path.name + ".totals.json")
             self._load()
 
     def _load(self) -> None:
-        records, self._good_length = read_records(self.path)
+        snap = read_json(self.snapshot_path, {})
+        offset = 0
+        try:
+            if snap.get("run_id") == self.run_id and 0 <= int(snap["offset"]) <= self.path.stat().st_size:
+                offset = int(snap["offset"])
+                self.totals = {bytes.fromhex(k): KeyTotals(*map(int, v)) for k, v in snap["totals"].items()}
+        except (OSError, KeyError, TypeError, ValueError, AttributeError):
+            offset, self.totals = 0, {}  # no usable snapshot: replay the whole log
+        records, self._good_length = read_records(self.path, offset=offset)
         for raw in records:
             try:
                 r = receipts.open_receipt(raw, coordinator_key=self.identity.public_key)
@@ -79,7 +92,15 @@ class ReceiptDesk:
                 self._good_length = append_record(self.path, sealed, good_length=self._good_length)
             self.totals[volunteer] = new
             self._remember(batch_id, sealed)
+            self._since_snapshot += 1
+            if self.path is not None and self._since_snapshot >= SNAPSHOT_EVERY:
+                self._snapshot_locked()
             return sealed
+
+    def _snapshot_locked(self) -> None:
+        write_json_atomic(self.snapshot_path, {"run_id": self.run_id, "offset": self._good_length, "totals": {
+            k.hex(): [t.batches, t.groups, t.tokens] for k, t in self.totals.items()}})
+        self._since_snapshot = 0
 
     def lookup(self, batch_id: bytes) -> bytes:
         """The receipt already issued for `batch_id` (b"" when unknown or long ago)."""

@@ -81,13 +81,17 @@ RECORD_HEADER = 4
 MAX_RECORD_BYTES = 1 << 20
 
 
-def read_records(path: str | os.PathLike, *, max_record_bytes: int = MAX_RECORD_BYTES) -> tuple[list[bytes], int]:
-    """(whole records, byte length they span) of an `append_record` log; ([], 0) when it is missing.
-    A torn or oversized tail record ends the log there (the caller may cut it off)."""
+def read_records(path: str | os.PathLike, *, offset: int = 0,
+                 max_record_bytes: int = MAX_RECORD_BYTES) -> tuple[list[bytes], int]:
+    """(whole records from byte `offset` on, the offset where they end) of an `append_record` log;
+    ([], offset) when it is missing. A torn or oversized tail record ends the log there (the caller may
+    cut it off). `offset` must be a record boundary an earlier call returned."""
     try:
-        data = Path(path).read_bytes()
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
     except FileNotFoundError:
-        return [], 0
+        return [], offset
     records, at = [], 0
     while at + RECORD_HEADER <= len(data):
         n = int.from_bytes(data[at:at + RECORD_HEADER], "big")
@@ -95,7 +99,7 @@ def read_records(path: str | os.PathLike, *, max_record_bytes: int = MAX_RECORD_
             break
         records.append(data[at + RECORD_HEADER:at + RECORD_HEADER + n])
         at += RECORD_HEADER + n
-    return records, at
+    return records, offset + at
 
 
 def append_record(path: str | os.PathLike, record: bytes, *, good_length: int | None = None) -> int:

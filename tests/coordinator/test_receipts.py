@@ -40,3 +40,18 @@ def test_rejected_batches_get_no_receipt(tokenizer, tmp_path):
     ack = ingest.handle(bytes(sealed))
     assert not ack.accepted and ack.code == "SIGNATURE_MISMATCH" and ack.receipt == b""
     assert ingest.receipts.summary() == {}
+
+
+def test_a_restart_reads_the_totals_snapshot_and_replays_only_the_log_after_it(tokenizer, tmp_path, monkeypatch):
+    from asyncrl.coordinator import receipts as desk_module
+
+    monkeypatch.setattr(desk_module, "SNAPSHOT_EVERY", 2)
+    desk = ReceiptDesk(COORD, "r", tmp_path / "receipts.bin")
+    for i in range(5):
+        desk.issue(ALICE.public_key, bytes([i]) * 32, adapter_version=0, groups=1, completions=2, tokens=10)
+    snap = __import__("json").loads((tmp_path / "receipts.bin.totals.json").read_text())
+    assert snap["totals"][ALICE.public_key.hex()] == [4, 4, 40]  # the 5th receipt is only in the log
+    again = ReceiptDesk(COORD, "r", tmp_path / "receipts.bin")
+    assert again.summary() == desk.summary() == {fingerprint(ALICE.public_key): {"batches": 5, "groups": 5,
+                                                                                 "tokens": 50}}
+    assert again.lookup(bytes([4]) * 32) == desk.lookup(bytes([4]) * 32)  # replayed after the snapshot
