@@ -59,7 +59,11 @@ def fresh_venv(tmp_path: Path, wheel: Path) -> Path:
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     site = Path(subprocess.run([venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                check=True, capture_output=True, text=True).stdout.strip())
-    (site / "zz_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")  # heavy deps, not our code
+    # The heavy dependencies, not our code: every site-packages directory this interpreter sees (its own
+    # and any a .pth added). Their .pth files are not processed from there, so no editable install of
+    # asyncrl is activated; the asserts below check that.
+    deps = [sysconfig.get_paths()["purelib"], *(p for p in sys.path if p.endswith("site-packages"))]
+    (site / "zz_test_deps.pth").write_text("\n".join(dict.fromkeys(deps)) + "\n")
     subprocess.run([venv / "bin" / "python", "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
                    check=True, capture_output=True, timeout=300, env=clean_env(), cwd=tmp_path)
     return venv
