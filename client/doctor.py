@@ -54,8 +54,11 @@ class Doctor:
         self.hs = None
 
     # ---- network ---------------------------------------------------------------------------------
-    def network(self, spec, addr) -> None:
-        self.rows["tcp"] = tcp_check(addr)
+    def network(self, spec, addrs) -> None:
+        for addr in addrs:  # like join: any one of the bootstrap addresses that answers suffices
+            self.rows["tcp"] = tcp_check(addr)
+            if self.rows["tcp"].status != FAIL:
+                break
         if self.rows["tcp"].status == FAIL:
             return
         from asyncrl.swarm.transport import SwarmNode
@@ -206,8 +209,7 @@ class Doctor:
         from asyncrl.swarm.transport import parse_join_address
 
         spec = join_spec(self.args.address, self.args.coordinator)  # BadAddress: the caller's exit 2
-        addr = parse_join_address(self.args.address)
-        self.network(spec, addr)
+        self.network(spec, [parse_join_address(a) for a in self.args.address])
         if self.hs is not None and "versions" not in self.rows:
             self.rows["versions"] = version_check(self.hs, local=local_versions())
         if self.hs is not None:
