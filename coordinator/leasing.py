@@ -166,10 +166,10 @@ class LeaseDesk:
         self.tokenizer = tokenizer
         self.current_version = current_version
         self.fair = FairShare(policy, proven=self._proven, clock=clock)
+        self.gate = gate  # coordinator.handshake.GatePolicy: the version gate, also for clients that skipped it
 
     def _proven(self, key: bytes) -> bool:
         return self.access.valid_streak(key) > 0
-        self.gate = gate  # coordinator.handshake.GatePolicy: the version gate, also for clients that skipped it
 
     def handle(self, request: bytes, peer: str = "") -> bytes:
         """Sealed LeaseRequest bytes -> encoded LeaseGrant; raises ProtocolError with a stable code."""
