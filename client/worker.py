@@ -372,7 +372,8 @@ class Volunteer:
     def _renew(self, lease_ids: list[str]) -> dict[str, float]:
         """One renewal-only lease request (client/lease_keeper.py): seconds left per lease id."""
         req = messages.LeaseRequest(run_id=self.run_id, max_prompts=0, adapter_version=self.serving_version,
-                                    client_name=self.name, renew=tuple(lease_ids))
+                                    client_name=self.name, renew=tuple(lease_ids),
+                                    client_version=handshake.package_version())  # the gate applies to renewals too
         sealed = envelope.seal(self.identity, "lease_request", messages.encode(req), audience=self.coordinator_key)
         raw = self.node.call(self.coordinator_peer_id, stream_name(self.run_id, streams.LEASE), sealed,
                              max_response_bytes=limits.MAX_LEASE_GRANT_BYTES)
