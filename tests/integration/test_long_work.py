@@ -1,0 +1,62 @@
+"""Long work does not break the swarm (issue 14): a slow honest volunteer whose every work outlasts the
+lease timeout keeps its leases by renewing them, and every batch it sends is accepted; a volunteer whose
+engine context is too small for any prompt abandons those leases and stays alive, while the prompts expire
+back to the queue and are trained from the other volunteer. The lease books balance."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+from tests.conftest import wait_for, wait_for_join
+
+pytestmark = pytest.mark.integration
+
+SLOW_S = 5.0       # each work of the slow volunteer takes this much longer than its generation...
+TIMEOUT_S = 2.0    # ...which is more than twice the lease timeout
+
+
+def _status(path):
+    try:
+        return json.loads((path / "status.json").read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def test_slow_honest_groups_renew_and_too_long_prompts_cost_only_their_lease(procs, tmp_path):
+    run = tmp_path / "run"
+    coord = procs.start("coordinator", ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny", "--no-dashboard",
+                                        "--run-dir", str(run), "--max-steps", "0", "--threads", "1",
+                                        "--groups-per-step", "2", "--min-groups", "1", "--max-wait-s", "1",
+                                        "--prompts-per-lease", "2", "--group-size", "4",
+                                        "--lease-timeout-s", str(TIMEOUT_S), "--max-staleness", "-1"])
+    join = wait_for_join(run, 180)
+    args = ["-m", "asyncrl.client.cli", "join", join, "--threads", "1", "--prompts-per-batch", "2", "--json-logs"]
+    slow_dir, small_dir = tmp_path / "slow", tmp_path / "small"
+    slow = procs.start("slow", [*args, "--name", "slow", "--data-dir", str(slow_dir), "--max-batches", "3"],
+                       env={"ASYNCRL_FAULT": f"slow-generate:{SLOW_S}"})
+    # an engine context of 8 tokens: no prompt + max_new_tokens fits, every lease is too long for it
+    small = procs.start("small", [*args, "--name", "small", "--data-dir", str(small_dir), "--max-model-len", "8"])
+
+    wait_for(lambda: (_status(small_dir) or {}).get("leases_too_long", 0) >= 4, 300,
+             "the small-context volunteer to skip leases")
+    assert slow.wait(400) == 0, slow.log_path.read_text()[-3000:]
+    st = _status(slow_dir)
+    assert st["batches_acked"] == 3 and st["batches_rejected"] == {}, st
+    assert st["lease_renewals"] >= 3 and st["leases_lost"] == 0 and st["leases_abandoned"] == 0, st
+    assert small.poll() is None, small.log_path.read_text()[-3000:]  # alive, still asking for work
+    sm = _status(small_dir)
+    assert sm["batches_sent"] == 0 and sm["engine_errors"] == 0 and sm["leases_abandoned"] == sm["leases_too_long"], sm
+
+    small.send_signal(signal.SIGTERM)  # the operator stops it (Ctrl-C): it finishes and exits
+    assert small.wait(60) == 0, small.log_path.read_text()[-3000:]
+    coord.send_signal(signal.SIGTERM)
+    assert coord.wait(120) == 0, coord.log_path.read_text()[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    leases = summary["leases"]
+    assert summary["batches_by_client"].get("slow") == 3 and summary["rejected_by_client"] == {}, summary
+    assert leases["renewals"] >= 3, leases
+    assert leases["expired"] >= 4 and leases["released"] >= 1, leases  # the small volunteer's came back
+    assert summary["leases_balanced"], leases
