@@ -2,7 +2,6 @@
 
 import subprocess
 import sys
-import time
 
 PEER = "12D3KooWCTPoZcmRwD9Wv1yMmMqnmYb8gQiyGtf68YLDZ3iRuz7o"
 
@@ -34,11 +33,11 @@ def test_closed_port_is_one_line_error(free_port):
     assert "cannot reach" in r.stderr
 
 
-def test_help_is_fast():
-    t0 = time.perf_counter()
+def test_help_imports_nothing_heavy():
+    """`--help` answers without torch, hivemind or transformers (what made it slow); how fast that is on a
+    given machine is a benchmark's business, not a unit test's."""
     r = run_client("--help")
     assert r.returncode == 0 and "join" in r.stdout
-    assert time.perf_counter() - t0 < 1.0
     heavy = subprocess.run([sys.executable, "-c", "import sys; import asyncrl.client.cli; "
                             "print(sorted(m for m in ('torch','hivemind','transformers') if m in sys.modules))"],
                            capture_output=True, text=True)

@@ -133,10 +133,8 @@ def test_default_clock(alice, coordinator):
 
 def test_oversize_rejected_without_decoding(coordinator):
     huge = os.urandom(1024) * (MAX_ENVELOPE_BYTES // 1024 + 1)  # garbage: decoding would say MALFORMED
-    t0 = time.perf_counter()
     assert code_of(open_as, coordinator, huge) is RejectCode.PAYLOAD_TOO_LARGE
     assert code_of(open_as, coordinator, memoryview(huge)) is RejectCode.PAYLOAD_TOO_LARGE
-    assert time.perf_counter() - t0 < 0.5
 
 
 def test_oversize_valid_envelope(alice, coordinator):
