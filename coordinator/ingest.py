@@ -224,10 +224,6 @@ class Ingest:
                                               vocab_size=self.vocab_size)
         if batch.run_id != self.run_id:
             raise ProtocolError(RejectCode.WRONG_RUN, f"batch is for run {batch.run_id!r}")
-        if self.sampling is not None and batch.sampling != self.sampling:
-            raise ProtocolError(RejectCode.MALFORMED, "sampling parameters differ from the leased ones")
-        if not self.is_published(batch.adapter_version):
-            raise ProtocolError(RejectCode.FUTURE_VERSION, f"version {batch.adapter_version} was not published")
         leases = []
         for group in batch.groups:
             try:
@@ -238,6 +234,11 @@ class Ingest:
                 raise ProtocolError(RejectCode.UNKNOWN_LEASE, "prompt id does not match the lease")
             leases.append(lease)
         try:
+            # Checked once the leases are known, so a refusal here ends them too (below).
+            if self.sampling is not None and batch.sampling != self.sampling:
+                raise ProtocolError(RejectCode.MALFORMED, "sampling parameters differ from the leased ones")
+            if not self.is_published(batch.adapter_version):
+                raise ProtocolError(RejectCode.FUTURE_VERSION, f"version {batch.adapter_version} was not published")
             return self._verify_leased(opened, batch, leases, batch_id)
         except ProtocolError as exc:
             if exc.code not in (RejectCode.RATE_LIMITED, RejectCode.INTERNAL):

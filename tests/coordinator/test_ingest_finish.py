@@ -32,7 +32,7 @@ def ingest(tokenizer):
                   stop_token_ids=tuple(sorted(stops)))
 
 
-def seal(ingest, tokenizer, completions: list[tuple[list[int], str]]) -> bytes:
+def seal(ingest, tokenizer, completions: list[tuple[list[int], str]], **batch_fields) -> bytes:
     lease = ingest.board.lease(ALICE.public_key, 1)[0]
     ids = tokenizer(lease.prompt.text)["input_ids"]
     comps = []
@@ -41,8 +41,9 @@ def seal(ingest, tokenizer, completions: list[tuple[list[int], str]]) -> bytes:
         comps.append(messages.Completion(np.asarray(toks, "<i4").tobytes(), np.full(len(toks), -1.0, "<f4").tobytes(),
                                          tasks.score(lease.prompt.reward, text, lease.prompt.answer), finish))
     group = messages.RolloutGroup(lease.lease_id, lease.prompt.prompt_id, np.asarray(ids, "<i4").tobytes(), tuple(comps))
-    batch = messages.RolloutBatch(run_id="r", adapter_version=0, client_name="alice", sampling=SAMPLING,
-                                  groups=(group,), generated_at=0.0)
+    fields = dict(run_id="r", adapter_version=0, client_name="alice", sampling=SAMPLING, groups=(group,),
+                  generated_at=0.0)
+    batch = messages.RolloutBatch(**{**fields, **batch_fields})
     return envelope.seal(ALICE, "rollout_batch", messages.encode(batch), audience=COORD.public_key)
 
 
@@ -65,3 +66,17 @@ def test_finish_reasons_the_tokens_contradict_are_malformed(ingest, tokenizer, t
     toks = tokenizer.convert_tokens_to_ids(tokens)
     ack = ingest.handle(seal(ingest, tokenizer, [(toks, claimed)]))
     assert not ack.accepted and ack.code == "MALFORMED"
+
+
+@pytest.mark.parametrize("change", [{"sampling": messages.SamplingParams(temperature=0.1, max_new_tokens=8)},
+                                    {"adapter_version": 7}])
+def test_a_batch_refused_before_scoring_ends_its_leases_at_once(ingest, tokenizer, change):
+    """Sampling not as leased (MALFORMED) or an unpublished version (FUTURE_VERSION): the refused batch is never
+    re-sent, so its prompts go back to the queue now rather than after lease_timeout_s."""
+    a, im_end = tokenizer.convert_tokens_to_ids("a"), tokenizer.eos_token_id
+    sealed = seal(ingest, tokenizer, [([a, im_end], "stop")], **change)
+    assert ingest.board.counts()["outstanding"] == 1
+    ack = ingest.handle(sealed)
+    assert not ack.accepted and ack.code == ("MALFORMED" if "sampling" in change else "FUTURE_VERSION")
+    counts = ingest.board.counts()
+    assert counts["outstanding"] == 0 and counts["expired"] == 1 and counts["requeued_waiting"] == 1
