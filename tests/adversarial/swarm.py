@@ -48,6 +48,17 @@ def read_json(path: Path) -> dict | None:
         return None
 
 
+def refresh(sync):
+    """`sync.refresh()`, except that a version the coordinator pruned mid-fetch (it published past it:
+    STALE_VERSION) reads as "nothing yet" — the next poll sees the newer pointer, as a volunteer's follower
+    loop (client/adapter_sync.py) does."""
+    try:
+        return sync.refresh()
+    except ProtocolError as exc:
+        if exc.code is not RejectCode.STALE_VERSION:
+            raise
+        return None
+
 @dataclass
 class Swarm:
     root: Path
@@ -156,7 +167,7 @@ class Mallory:
     def follow(self, at_least: int = 0, timeout: float = 120.0):
         """Fetch the newest adapter (verified like any volunteer does) and load it into her engine."""
         def newest():
-            got = self.sync.refresh()
+            got = refresh(self.sync)
             if got is not None:
                 self.adapters[got.version] = got
             cur = self.sync.current

@@ -18,7 +18,7 @@ from asyncrl.protocol.errors import ProtocolError
 from asyncrl.protocol.identity import Identity
 from asyncrl.swarm.streams import stream_name
 
-from tests.adversarial.swarm import RUN_ID, wait_for
+from tests.adversarial.swarm import RUN_ID, refresh, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -85,7 +85,7 @@ def test_corrupted_adapter_chunk(mallory, swarm, attack):
     mallory.extra_nodes.append(seeder)
     sync = AdapterSync(seeder, coordinator_peer_id=swarm.coordinator_peer, coordinator_key=swarm.coordinator_key,
                        run_id=RUN_ID)
-    wait_for(lambda: sync.refresh() or sync.current, 120, "the seeder's first adapter")
+    wait_for(lambda: refresh(sync) or sync.current, 120, "the seeder's first adapter")
     sync.serve(server_cls=TamperingServer)
     sync.start_following(poll_s=0.2)  # holds every new version at once, to serve it corrupted
     beacon = PresenceBeacon(seeder, seeder_id, RUN_ID, "mallory-seeder", lambda: {
