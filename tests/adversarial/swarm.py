@@ -156,6 +156,7 @@ class Mallory:
         self.sync = AdapterSync(self.node, coordinator_peer_id=swarm.coordinator_peer,
                                 coordinator_key=swarm.coordinator_key, run_id=RUN_ID)
         self.adapters: dict[int, object] = {}  # version -> AdapterVersion (her own archive)
+        self._following = False
         self.engine = None
         self.identity = Identity.generate()
         self.coordinator_version = 0  # the learner's version as of her last lease grant
@@ -169,14 +170,21 @@ class Mallory:
         return node
 
     def follow(self, at_least: int = 0, timeout: float = 120.0):
-        """Fetch the newest adapter (verified like any volunteer does) and load it into her engine."""
+        """The newest adapter (verified like any volunteer does), loaded into her engine.
+
+        She follows the pointer in the background from her first call on, as a volunteer does: the learner
+        publishes about a version a second here, so a follower that fetched only when asked would start each
+        fetch far behind, and a chain the coordinator prunes mid-fetch (STALE_VERSION) would make her fetch
+        again while the lease she holds runs out."""
+        if not self._following:
+            self._following = True
+            self.sync.start_following(poll_s=0.2)
+
         def newest():
-            got = refresh(self.sync)
-            if got is not None:
-                self.adapters[got.version] = got
             cur = self.sync.current
             return cur if cur is not None and cur.version >= at_least else None
-        current = wait_for(newest, timeout, f"adapter version >= {at_least}", interval=0.5)
+        current = wait_for(newest, timeout, f"adapter version >= {at_least}", interval=0.2)
+        self.adapters[current.version] = current
         self._engine(current)
         return current
 
@@ -297,6 +305,7 @@ class Mallory:
         return answer.decode(errors="replace").partition(":")[0]
 
     def close(self) -> None:
+        self.sync.stop()
         for node in [self.node, *self.extra_nodes]:
             try:
                 node.shutdown()
