@@ -262,7 +262,7 @@ def _memory_row(probe: dict, args) -> Check:
         if limit:
             cap = min(cap, limit * GiB)
         need = params * 2 * KV_HEADROOM  # bf16 weights + KV cache headroom
-        what = f"{model['ref']}: {params / 1e9:.2f}B parameters need ~{need / GiB:.1f} GiB; {gpu['name']} lends {cap / GiB:.1f} GiB"
+        what = f"{model['ref']}: {_count(params)} parameters need ~{need / GiB:.1f} GiB; {gpu['name']} lends {cap / GiB:.1f} GiB"
         if need > cap:
             return Check("memory", FAIL, what, "use a smaller model or a bigger GPU, or raise --gpu-memory-utilization "
                                                "/ --max-gpu-memory-gb if the GPU is otherwise free")
@@ -272,7 +272,7 @@ def _memory_row(probe: dict, args) -> Check:
         return Check("memory", PASS, what)
     mem = probe.get("memory") or {}
     need = params * 4 * KV_HEADROOM  # fp32 on CPU
-    what = f"{model['ref']}: {params / 1e9:.3f}B parameters need ~{need / GiB:.2f} GiB of RAM (CPU, fp32)"
+    what = f"{model['ref']}: {_count(params)} parameters need ~{need / GiB:.2f} GiB of RAM (CPU, fp32)"
     if mem.get("MemTotal") and need > mem["MemTotal"]:
         return Check("memory", FAIL, what + f"; this machine has {mem['MemTotal'] / GiB:.1f} GiB",
                      "a real model needs a GPU: join from a machine with CUDA")
@@ -280,6 +280,10 @@ def _memory_row(probe: dict, args) -> Check:
         return Check("memory", WARN, what + f"; {mem['MemAvailable'] / GiB:.1f} GiB are available now",
                      "close other programs first")
     return Check("memory", PASS, what)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
 def _disk_row(args, model: dict, ref: str | None) -> Check:

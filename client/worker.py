@@ -282,6 +282,7 @@ class Volunteer:
                     self._load(newer)
                 if self.sync.finished:  # the coordinator's signed pointer: the run is over
                     self.status.run_finished = True
+                    self._goodbye()
                     break
                 if len(self.outbox) and self.outbox.size_bytes() >= self.outbox.max_bytes * 0.9:
                     # Bounded disk: stop producing until the coordinator takes what we have.
@@ -379,6 +380,18 @@ class Volunteer:
                              max_response_bytes=limits.MAX_LEASE_GRANT_BYTES)
         grant = messages.decode(raw, messages.LeaseGrant, max_bytes=limits.MAX_LEASE_GRANT_BYTES)
         return {r.lease_id: r.expires_in_s for r in grant.renewed}
+
+    def _goodbye(self) -> None:
+        """Tell the coordinator we know the run is over (an empty request it answers RUN_FINISHED), so it
+        need not linger for us (coordinator/run_end.py)."""
+        req = messages.LeaseRequest(run_id=self.run_id, max_prompts=0, adapter_version=self.serving_version,
+                                    client_name=self.name, client_version=handshake.package_version())
+        sealed = envelope.seal(self.identity, "lease_request", messages.encode(req), audience=self.coordinator_key)
+        try:
+            self.node.call(self.coordinator_peer_id, stream_name(self.run_id, streams.LEASE), sealed,
+                           max_response_bytes=limits.MAX_LEASE_GRANT_BYTES, timeout=5)
+        except Exception:  # noqa: BLE001 - RUN_FINISHED (expected), or it is gone already: we stop either way
+            pass
 
     def _abandon(self, lease: messages.TaskLease, why: str, *, counter: str) -> None:
         """Give up one lease and go on with the rest: its group is not sent, the lease is not renewed (it

@@ -3,7 +3,8 @@
 The script polls /api/status every POLL_MS and rebuilds the page's data parts. Every value that came
 from a volunteer (names above all) is inserted with textContent / setAttribute, never as HTML, so a
 volunteer cannot script the operator's browser. Elements tests rely on: `#swarm tr[data-volunteer]`
-rows with `td.lag` / `td.held`, `#version`, `#updated` (set after each successful refresh).
+rows with `td.lag` / `td.held`, `#contributors tr[data-contributor]`, `#version`, `#updated` (set after each
+successful refresh).
 """
 
 POLL_MS = 2000
@@ -90,6 +91,14 @@ PAGE = r"""<!doctype html>
     <table id="swarm">
       <thead><tr><th>Volunteer</th><th>Fingerprint</th><th class="num">Version held</th><th class="num">Lag</th>
         <th class="num">Rollouts</th><th class="num">Accepted</th><th>Rejected (by code)</th><th>Last seen</th></tr></thead>
+      <tbody></tbody>
+    </table>
+  </section>
+  <section>
+    <h2>Contributors</h2>
+    <table id="contributors">
+      <thead><tr><th>Volunteer</th><th>Fingerprint</th><th class="num">Accepted batches</th>
+        <th class="num">Accepted tokens</th><th class="num">Trained groups</th><th class="num">Share</th></tr></thead>
       <tbody></tbody>
     </table>
   </section>
@@ -239,6 +248,17 @@ function render(d) {
     cell(tr, codes || "none", codes ? "rej" : "empty");
     cell(tr, ago(v.age_s));
     tbody.appendChild(tr);
+  }
+  const cbody = $("contributors").tBodies[0];
+  cbody.replaceChildren();
+  if (!d.contributors.length) emptyRow(cbody, 6, "no accepted batch yet");
+  for (const c of d.contributors) {
+    const tr = document.createElement("tr");
+    tr.setAttribute("data-contributor", c.fingerprint);
+    cell(tr, c.name); cell(tr, c.fingerprint, "mono");
+    cell(tr, String(c.accepted_batches), "num"); cell(tr, String(c.accepted_tokens), "num");
+    cell(tr, String(c.trained_groups), "num"); cell(tr, (100 * c.trained_share).toFixed(1) + " %", "num");
+    cbody.appendChild(tr);
   }
   const pbody = $("publishes").tBodies[0];
   pbody.replaceChildren();

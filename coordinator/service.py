@@ -101,6 +101,7 @@ class Coordinator:
         self.telemetry = Telemetry(cfg, self.run_dir, out=out)
         self.log = RunLog(self.run_dir / "metrics.jsonl", listeners=[self.telemetry.observe])
         self.t0 = time.time()
+        self.trained_by: dict[str, int] = {}  # volunteer key fingerprint -> groups trained on (this process)
         from .run_end import RunEnd
 
         self.run_end = RunEnd(self.run_dir, active_window_s=cfg.lease_timeout_s)  # max_steps / `finish`: say so
@@ -358,6 +359,8 @@ class Coordinator:
             if not items:
                 continue
             groups = [g for item in items for g in item.groups]
+            # the contributors table: whose groups the learner steps on (fresh before the step bumps the version)
+            fresh = [(item.signer, sum(1 for g in item.groups if not self.learner.is_stale(g.version))) for item in items]
             result = self.learner.step(groups)
             stale_dropped = len(groups) - (result.groups_used if result else 0)
             if stale_dropped:
@@ -367,6 +370,8 @@ class Coordinator:
                 self.log.write("dropped", groups=stale_dropped, reason="stale", batch_ids=batch_ids)
                 continue
             self.board.mark_trained(result.groups_used)
+            for signer, used in fresh:
+                self.trained_by[signer] = self.trained_by.get(signer, 0) + used
             self.auditor.stats["learner_seconds"] += result.seconds  # the audit's cost is reported against this
             self.log.write("step", step=self.learner.steps, version=self.learner.version, loss=result.loss,
                            reward_mean=result.reward_mean, groups=result.groups_used, dropped_stale=stale_dropped,
@@ -427,6 +432,7 @@ class Coordinator:
             "batches_accepted": len(log),
             "batches_by_client": clients,
             "receipts": self.receipts.summary(),  # per volunteer fingerprint: what its signed receipts add up to
+            "contributors": self.contributors(),  # the dashboard's contributors table
             "rejected_by_client": rejected,
             "reward_first": mean([b.reward_mean for b in log[:k]]),
             "reward_last": mean([b.reward_mean for b in log[-k:]]),
@@ -457,6 +463,20 @@ class Coordinator:
         with self.gate.closed():
             return {"leases": self.board.counts(), "leases_balanced": self.board.balanced(self.ingest.queued_groups)}
 
+    def contributors(self) -> list[dict]:
+        """Who contributed what, publishable (names and key fingerprints, no addresses): accepted batches and
+        tokens as their signed receipts say (coordinator/receipts.py), and each one's share of the groups
+        the learner trained on in this process."""
+        receipted = self.receipts.summary()
+        with self.ingest.lock:
+            names = {fp: st.name for fp, st in self.ingest.clients.items()}
+        trained = dict(self.trained_by)
+        total = sum(trained.values())
+        rows = [{"name": names.get(fp, fp), "fingerprint": fp, "accepted_batches": r["batches"],
+                 "accepted_tokens": r["tokens"], "trained_groups": trained.get(fp, 0),
+                 "trained_share": trained.get(fp, 0) / total if total else 0.0} for fp, r in receipted.items()]
+        return sorted(rows, key=lambda r: (-r["accepted_tokens"], r["fingerprint"]))
+
     def snapshot(self) -> dict:
         """Read-only status for the dashboard, /metrics and `asyncrl-coordinator status`; no secrets."""
         with self.ingest.lock:
@@ -467,7 +487,7 @@ class Coordinator:
         worker = getattr(self, "publish_worker", None)
         return self.telemetry.snapshot_part(version=self.learner.version, steps=self.learner.steps, clients=clients,
                                             leases=self.board.counts(), queued_groups=queued, identity=identity,
-                                            presence=self.presence(),
+                                            presence=self.presence(), contributors=self.contributors(),
                                             publisher=worker.stats() if worker is not None else None,
                                             waiting=self.quorum.status())
 

@@ -67,7 +67,7 @@ class Telemetry:
 
     def snapshot_part(self, *, version: int, steps: int, clients: list, leases: dict, queued_groups: int,
                       identity: dict, presence: list[dict] = (), publisher: dict | None = None,
-                      waiting: dict | None = None) -> dict:
+                      waiting: dict | None = None, contributors: list[dict] = ()) -> dict:
         """The read-only status dict (the schema of /api/status). No key material ever enters it."""
         now = time.time()
         stats = self.stats.snapshot()
@@ -90,6 +90,8 @@ class Telemetry:
             # PublishWorker.stats(): published_version, superseded, queue_depth, in_flight(_s), last_latency_s
             "publisher": dict(publisher or {}),
             "volunteers": rows,
+            # name, fingerprint, accepted batches/tokens (receipts), trained groups and share: publishable
+            "contributors": list(contributors),
             "stats": stats,
         }
 

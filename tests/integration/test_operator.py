@@ -187,6 +187,11 @@ def test_dashboard_in_headless_chromium(swarm):
             assert re.fullmatch(r"v\d+", cells[2].text)      # version held
             assert int(cells[3].text) >= 0                    # lag
         assert not driver.find_elements(By.CSS_SELECTOR, "#swarm tbody i, #swarm tbody b")  # no injected markup
+        contributors = WebDriverWait(driver, 120, poll_frequency=0.5).until(
+            lambda d: (lambda r: len(r) == 2 and r)(d.find_elements(By.CSS_SELECTOR, "#contributors tr[data-contributor]")))
+        fingerprints = {v["fingerprint"] for v in status.values()}
+        assert {r.get_attribute("data-contributor") for r in contributors} == fingerprints  # one row per key
+        assert all(int(r.find_elements(By.TAG_NAME, "td")[3].text) > 0 for r in contributors)  # accepted tokens
         assert re.fullmatch(r"v\d+", driver.find_element(By.ID, "version").text)
         WebDriverWait(driver, 60).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#reward_chart polyline"))
         assert driver.find_elements(By.CSS_SELECTOR, "#staleness_chart polyline")
