@@ -1,5 +1,6 @@
 """A volunteer that joins a finished run is told by the handshake (and with --follow waits for the next);
-one the version gate refuses never starts. The coordinator side is a small scripted node."""
+one the version gate refuses never starts. The coordinator side is a small scripted node. (Exiting at the
+run's end with real processes, receipts matching the summary: tests/integration/test_sync_and_stale.py.)"""
 
 from __future__ import annotations
 

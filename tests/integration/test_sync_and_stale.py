@@ -3,6 +3,10 @@
 - sync: with `--wait-for-volunteers 2` the first round waits until both volunteers are in, and every step
   trains on one batch from each of them, all generated with the current adapter (staleness 0); the
   duty-cycle volunteer rests in proportion to its work.
+- run end (same run): at --max-steps the volunteers learn from the signed pointer that the run is over and
+  exit 0 on their own; a volunteer's exported receipts verify offline against the join address and add up
+  to the coordinator's own books (summary.json `receipts`, `contributors`: one batch of each per step, so
+  each trained half the groups).
 - hold-version: a volunteer holding 2 versions back sends batches at least 2 versions stale, which an
   unlimited-staleness learner trains on (with the IS correction), logging staleness metrics.
 """
@@ -10,10 +14,13 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
-from tests.conftest import wait_for_join
+from asyncrl.protocol.identity import Identity
+from tests.conftest import REPO, wait_for_join
 
 pytestmark = pytest.mark.integration
 
@@ -55,9 +62,8 @@ def test_sync_steps_on_every_live_volunteer_at_the_current_version(procs, tmp_pa
     except Exception:
         pytest.fail("coordinator did not finish:\n" + _tail(coord) + "\n".join(_tail(v) for v in vols))
     assert coord.returncode == 0, _tail(coord)
-    for v in vols:
-        procs.signal(v, 15)
-        v.wait(60)
+    for v in vols:  # nobody signals them: the run said it finished
+        assert v.wait(120) == 0, _tail(v)
     steps = _events(run, "step")
     assert len(steps) == 6
     for s in steps:
@@ -69,6 +75,26 @@ def test_sync_steps_on_every_live_volunteer_at_the_current_version(procs, tmp_pa
     alice = json.loads((tmp_path / "alice" / "status.json").read_text())
     assert bob["busy_s"] > 0 and bob["rested_s"] > 0.5 * bob["busy_s"]  # F = 0.5: rest ~ busy
     assert alice["rested_s"] == 0.0
+    assert alice["run_finished"] and bob["run_finished"]
+
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["finished"] and summary["trainer_steps"] == 6
+    cli = [sys.executable, "-m", "asyncrl.client.cli"]
+    export = tmp_path / "alice-receipts.json"
+    subprocess.run([*cli, "receipts", "--data-dir", str(tmp_path / "alice"), "--export", str(export)], check=True,
+                   cwd=REPO, capture_output=True, timeout=120)
+    done = subprocess.run([*cli, "verify", str(export), "--address", join], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    [mine] = json.loads(done.stdout)["runs"]
+    fingerprint = Identity.load(tmp_path / "alice" / "identity.key").fingerprint
+    assert mine["volunteer"] == fingerprint and mine["batches"] == alice["receipts"] == alice["batches_acked"]
+    theirs = summary["receipts"][fingerprint]
+    assert (mine["batches"], mine["groups"], mine["tokens"]) == (theirs["batches"], theirs["groups"], theirs["tokens"])
+    rows = {r["fingerprint"]: r for r in summary["contributors"]}
+    assert set(rows) == set(summary["receipts"]) and len(rows) == 2
+    assert rows[fingerprint]["accepted_tokens"] == mine["tokens"]
+    assert all(r["trained_groups"] == 12 and r["trained_share"] == 0.5 for r in rows.values()), rows
 
 
 def test_hold_version_sends_stale_batches_that_an_unlimited_learner_trains_on(procs, tmp_path):
