@@ -17,6 +17,9 @@ How, cheapest first:
     gradient exists and the step trains the rest (cost: one forward of the audited rows).
     Valid only while the learner's weights still equal that version (no optimizer step since it was
     published) and LoRA dropout is 0; otherwise the shadow model below is used, still at train time.
+    The learner holds the fp32 weights, volunteers the *published* (e.g. bf16-rounded) ones, so a batch
+    that fails on the learner's pass is re-checked on the shadow model with the published tensors before
+    it is rejected (`shadow_confirms`): a strike always rests on exactly what the volunteer was served.
   * claimed version older than current (but held): recomputed at ingest on a *shadow model*, a copy of
     the learner's PEFT model that shares its frozen base weights (only the LoRA tensors are separate),
     loaded with that version's published (bf16) LoRA tensors — exactly what volunteers serve — under
@@ -104,8 +107,8 @@ class Auditor:
         self._loaded: int | None = None
         self._pending: dict[bytes, bytes] = {}      # deferred batch id -> signer
         self.stats = {"audited": 0, "deferred": 0, "passed": 0, "failed": 0, "reused_learner_pass": 0,
-                      "shadow_passes": 0, "skipped": 0, "seconds_ingest": 0.0, "seconds_train": 0.0,
-                      "learner_seconds": 0.0, "max_passing_mismatch": 0.0}
+                      "shadow_confirms": 0, "shadow_passes": 0, "skipped": 0, "seconds_ingest": 0.0,
+                      "seconds_train": 0.0, "learner_seconds": 0.0, "max_passing_mismatch": 0.0}
 
     @classmethod
     def from_config(cls, cfg, learner) -> "Auditor":
@@ -203,6 +206,9 @@ class Auditor:
                         claimed[k, :len(c)] = torch.tensor(c, dtype=torch.float32)
                     stat = mismatch(lp, claimed, mask[rows].cpu())
                     self.stats["reused_learner_pass"] += 1
+                    if stat > self.tolerance:  # the published tensors decide, not the learner's fp32 ones
+                        self.stats["shadow_confirms"] += 1
+                        stat = self._shadow_mismatch([groups[i] for i in idxs], version)
                 else:
                     stat = self._shadow_mismatch([groups[i] for i in idxs], version)
                 code = None if stat <= self.tolerance else RejectCode.LOGPROB_MISMATCH

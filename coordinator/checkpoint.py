@@ -189,7 +189,7 @@ def _scheduler_state(learner):
 
 def _client_stats(ingest) -> list[dict]:
     return [{"key": fp, "name": st.name, "fingerprint": st.fingerprint, "accepted": st.accepted,
-             "rejected": dict(st.rejected), "last_version": st.last_version, "last_seen": st.last_seen}
+             "rejected": dict(st.rejected), "resent": st.resent, "last_version": st.last_version, "last_seen": st.last_seen}
             for fp, st in ingest.clients.items()]
 
 
@@ -351,7 +351,8 @@ def restore(ckpt: Checkpoint, *, learner, board, ingest, journal, run_dir: Path)
     with ingest.lock:
         ingest.replay = ReplayGuard.from_bytes((ckpt.path / "replay_guard.msgpack").read_bytes())
         ingest.clients = {c["key"]: ClientStats(name=c["name"], fingerprint=c["fingerprint"], accepted=c["accepted"],
-                                                rejected=dict(c["rejected"]), last_version=c["last_version"],
+                                                rejected=dict(c["rejected"]), resent=c.get("resent", 0),
+                                                last_version=c["last_version"],
                                                 last_seen=c["last_seen"]) for c in ckpt.meta["clients"]}
         ingest.seen = set(seen)
     for entry in journal.entries():

@@ -50,6 +50,7 @@ class ClientStats:
     fingerprint: str
     accepted: int = 0
     rejected: dict[str, int] = field(default_factory=dict)
+    resent: int = 0  # DUPLICATE_BATCH: an accepted batch sent again (its ack was lost) — repeated, not a rejection
     last_version: int = -1
     last_seen: float = 0.0
 
@@ -141,7 +142,10 @@ class Ingest:
             if signer is not None:
                 with self.lock:
                     st = self._client(signer)
-                    st.rejected[exc.code.value] = st.rejected.get(exc.code.value, 0) + 1
+                    if exc.code is RejectCode.DUPLICATE_BATCH:
+                        st.resent += 1
+                    else:
+                        st.rejected[exc.code.value] = st.rejected.get(exc.code.value, 0) + 1
             if self.access is not None:
                 self.access.on_reject(exc.code, signer=signer, peer=peer)
             batch_id = exc.batch_id if hasattr(exc, "batch_id") else b""

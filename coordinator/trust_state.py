@@ -65,7 +65,8 @@ class TrustState:
 
     def status(self) -> dict:
         with self.ingest.lock:
-            clients = {fp: {"name": st.name, "accepted": st.accepted, "rejected": dict(st.rejected)}
+            clients = {fp: {"name": st.name, "accepted": st.accepted, "rejected": dict(st.rejected),
+                           "resent": st.resent}
                        for fp, st in self.ingest.clients.items()}
             verdicts = list(self.ingest.verdicts)
         return {

@@ -124,11 +124,12 @@ def test_failing_batch_is_dropped_before_its_gradient(setup):
     assert auditor.check(b"alice", b"h", v, honest, valid_streak=0, current_version=v) == "deferred"
     assert auditor.check(b"mallory", b"m", v, liar, valid_streak=0, current_version=v) == "deferred"
     verdicts.seen.clear()
-    reused = auditor.stats["reused_learner_pass"]
+    reused, confirms = auditor.stats["reused_learner_pass"], auditor.stats["shadow_confirms"]
     result = learner.step(honest + liar)
     assert result is not None and result.groups_used == len(honest)
     assert sorted(verdicts.seen) == [(b"h", None, "train"), (b"m", RejectCode.LOGPROB_MISMATCH, "train")]
-    assert auditor.stats["reused_learner_pass"] == reused + 2  # no extra forward pass for either
+    assert auditor.stats["reused_learner_pass"] == reused + 2  # both judged on the learner's own pass ...
+    assert auditor.stats["shadow_confirms"] == confirms + 1  # ... and only the failing one re-checked
     # only liars in a step: nothing is trained at all
     learner.version += 1
     publish()
@@ -151,3 +152,36 @@ def test_deferred_audit_falls_back_to_the_shadow_model_once_the_learner_moved_on
     result = learner.step(honest)
     assert result is not None and result.groups_used == len(honest)
     assert verdicts.seen == [(b"h2", None, "train")] and auditor.stats["shadow_passes"] == shadow + 1
+
+
+def test_a_deferred_batch_is_rejected_only_on_the_published_tensors(setup):
+    """The learner's pass uses its fp32 LoRA weights, the volunteer the published bf16-rounded ones. A batch
+    that is exact under the published tensors but off under the fp32 ones (here: a tolerance between the
+    two, on an adapter big enough for bf16 rounding to show) passes: the shadow model re-checks it."""
+    learner, auditor, engine, verdicts, publish = setup
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, p in learner.model.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.3)
+    learner.version += 1
+    publish()  # bf16 tensors to the engine and the auditor; the learner keeps fp32
+    v = learner.version
+    honest = honest_groups(learner, engine, seed=8)
+    live, _ = learner.score_groups(honest)
+    exact, batch = auditor.shadow_logprobs(honest, v)
+    s_live = mismatch(live, batch["sampling_logps"], batch["mask"])
+    s_exact = mismatch(exact, batch["sampling_logps"], batch["mask"])
+    assert s_exact * 10 < s_live, (s_exact, s_live)  # bf16 rounding is what separates them
+    liar = forged(honest_groups(learner, engine, seed=9))
+    old_tol, auditor.tolerance = auditor.tolerance, (s_exact * s_live) ** 0.5
+    try:
+        auditor.check(b"alice", b"h3", v, honest, valid_streak=0, current_version=v)
+        auditor.check(b"mallory", b"m3", v, liar, valid_streak=0, current_version=v)
+        verdicts.seen.clear()
+        confirms = auditor.stats["shadow_confirms"]
+        result = learner.step(honest + liar)
+    finally:
+        auditor.tolerance = old_tol
+    assert sorted(verdicts.seen) == [(b"h3", None, "train"), (b"m3", RejectCode.LOGPROB_MISMATCH, "train")]
+    assert auditor.stats["shadow_confirms"] == confirms + 2 and result.groups_used == len(honest)

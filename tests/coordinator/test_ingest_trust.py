@@ -71,6 +71,8 @@ def test_lost_ack_retry_and_reseal_are_duplicates(tokenizer):
     resealed = envelope.seal(ALICE, "rollout_batch", opened.payload, audience=COORD.public_key)
     assert ingest.handle(resealed).code == "DUPLICATE_BATCH"
     assert ingest.queue.qsize() == 1
+    (book,) = ingest.clients.values()  # alice's book: two resends, not two rejections
+    assert book.accepted == 1 and book.resent == 2 and book.rejected == {}
 
 
 def test_nobody_is_charged_before_the_signature_verified(tokenizer):
