@@ -100,10 +100,19 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-def wait_for_join(run: Path, timeout: float = 120) -> str:
-    """The join address a coordinator writes to <run>/join.txt once it serves (the demo reads it too)."""
+def wait_for_join(run: Path, timeout: float = 120, proc: subprocess.Popen | None = None) -> str:
+    """The join address a coordinator writes to <run>/join.txt once it serves (the demo reads it too).
+    With `proc` (the coordinator, started by `procs`), fail at once if it exits first, with its log's tail."""
     path = run / "join.txt"
-    return wait_for(lambda: path.exists() and path.read_text().strip(), timeout, "the coordinator's join address")
+
+    def joined():
+        if path.exists() and path.read_text().strip():
+            return path.read_text().strip()
+        assert proc is None or proc.poll() is None, \
+            f"the coordinator exited ({proc.returncode}) before serving:\n{proc.log_path.read_text()[-3000:]}"
+        return None
+
+    return wait_for(joined, timeout, "the coordinator's join address")
 
 
 def require_vllm() -> None:

@@ -23,6 +23,7 @@ from tests.realshape import write_model
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 VOCAB, NEW_TOKENS, TARGET = 32768, 256, 128
+GROUP, PROMPTS = 4, 2  # one lease = one batch = 2 prompts x 4 samples; each volunteer sends one
 REWARDS = '''
 def length_ratio(prompts, completions, completion_ids, target_tokens, **kwargs):
     """TRL signature: conversational prompts and completions, a dataset column as a kwarg."""
@@ -35,6 +36,11 @@ def length_ratio(prompts, completions, completion_ids, target_tokens, **kwargs):
 def not_empty(completions, **kwargs):
     """None (not applicable) for an empty completion; nansum skips it."""
     return [1.0 if c[0]["content"].strip() else None for c in completions]
+
+
+def even_share(completions, completion_ids, **kwargs):
+    """Share of even token ids: differs between a group's samples, so GRPO's advantages are not all zero."""
+    return [sum(i % 2 == 0 for i in ids) / max(1, len(ids)) for ids in completion_ids]
 '''
 
 
@@ -45,7 +51,8 @@ def write_reward_package(root):
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: realshape-rewards\nVersion: 1.0\n")
     (dist / "entry_points.txt").write_text("[asyncrl.rewards]\nlength_ratio = realshape_rewards:length_ratio\n"
-                                           "not_empty = realshape_rewards:not_empty\n")
+                                           "not_empty = realshape_rewards:not_empty\n"
+                                           "even_share = realshape_rewards:even_share\n")
 
 
 def events(run, kind):
@@ -67,51 +74,54 @@ def test_vllm_volunteers_at_a_real_vocabulary_train_a_trl_style_conversational_t
         model = "{model}"
         run_dir = "{run}"
         task = "{task}"
-        task_reward = ["length_ratio", "not_empty"]
-        reward_weights = [1.0, 0.5]
+        task_reward = ["length_ratio", "not_empty", "even_share"]
+        reward_weights = [1.0, 0.5, 1.0]
         max_new_tokens = {NEW_TOKENS}
-        group_size = 4
-        prompts_per_lease = 2
+        group_size = {GROUP}
+        prompts_per_lease = {PROMPTS}
         groups_per_step = 2
         min_groups = 1
         max_wait_s = 1
         max_steps = 0
-        micro_batch_tokens = 1024   # a step's 8 rows of ~290 tokens: several micro-batches
+        micro_batch_tokens = 1024   # a step's 8 rows of 256+ tokens (> 2,048): several micro-batches
         dashboard = false
     """))
     env = {"PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path / "pkg")])}
     coord = procs.start("coordinator", ["-m", "asyncrl.coordinator.cli", "run", "--config",
                                         str(tmp_path / "coordinator.toml"), "--threads", "1"], env=env)
-    join = wait_for_join(run, 240)
+    join = wait_for_join(run, 240, proc=coord)
     vols = {name: procs.start(name, ["-m", "asyncrl.client.cli", "join", join, "--engine", "vllm", "--name", name,
-                                     "--data-dir", str(tmp_path / name), "--max-batches", "2",
-                                     "--prompts-per-batch", "2", "--json-logs"], env=env)
+                                     "--data-dir", str(tmp_path / name), "--max-batches", "1",
+                                     "--prompts-per-batch", str(PROMPTS), "--json-logs"], env=env)
             for name in ("vllm-a", "vllm-b")}
     for name, proc in vols.items():
         assert proc.wait(600) == 0, proc.log_path.read_text()[-3000:]
         status = json.loads((tmp_path / name / "status.json").read_text())
-        assert status["batches_acked"] == 2 and status["batches_rejected"] == {}, status
+        assert status["batches_acked"] == 1 and status["batches_rejected"] == {}, status
         assert status["leases_abandoned"] == 0, status
-        # 16 completions each, nearly all at the full 256 tokens (a random 32k-vocab model rarely samples a stop token)
-        assert status["rollouts"] == 16 and status["tokens"] >= 0.95 * NEW_TOKENS * 16, status
+        # 8 completions each, nearly all at the full 256 tokens (a random 32k-vocab model rarely samples a stop token)
+        n = GROUP * PROMPTS
+        assert status["rollouts"] == n and status["tokens"] >= 0.95 * NEW_TOKENS * n, status
     coord.send_signal(signal.SIGTERM)  # the operator stops it: final summary
     assert coord.wait(180) == 0, coord.log_path.read_text()[-3000:]
 
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["batches_by_client"] == {"vllm-a": 2, "vllm-b": 2} and summary["rejected_by_client"] == {}
-    assert summary["task"]["records"] == 16 and summary["task"]["skipped"] == 0
+    assert summary["batches_by_client"] == {"vllm-a": 1, "vllm-b": 1} and summary["rejected_by_client"] == {}
+    assert summary["task"]["records"] == 16 and summary["task"]["skipped_long"] == summary["task"]["skipped_columns"] == 0
     batches = events(run, "batch")
-    assert len(batches) == summary["batches_accepted"] == 4
-    # length_ratio is 1 for any completion of >= TARGET tokens, not_empty adds 0.5: the weighted TRL sum, not
-    # clamped to [0, 1] (a simple reward would be); a broken column or kwarg would have dropped the group
-    assert all(1.0 < b["reward_mean"] <= 1.5 for b in batches), batches
+    assert len(batches) == summary["batches_accepted"] == 2
+    # length_ratio is 1 for any completion of >= TARGET tokens, not_empty adds 0.5, even_share about 0.5 (never 0
+    # or 1 over 256 near-uniform tokens): the weighted TRL sum, not clamped to [0, 1] (a simple reward would
+    # be); a broken column or kwarg would have dropped the group
+    assert all(1.5 < b["reward_mean"] < 2.5 for b in batches), batches
     steps = events(run, "step")
-    assert summary["trainer_steps"] == len(steps) >= 2 and summary["lora_delta_norm"] > 0
-    assert all(s["micro_batches"] >= 2 for s in steps), [s["micro_batches"] for s in steps]
+    # groups_per_step = one batch: a step per batch, each on micro-batches, each moving the adapter
+    assert summary["trainer_steps"] == len(steps) == 2 and summary["lora_delta_norm"] > 0
+    assert all(s["micro_batches"] >= 2 and s["grad_norm"] > 0 for s in steps), steps
     trained = {i for s in steps for i in s["batch_ids"]}
     assert trained == {b["batch_id"] for b in batches}  # every accepted batch was trained
     leases = summary["leases"]
-    assert leases["completed"] == 8 and leases["trained"] == 8 and leases["expired"] == 0, leases
+    assert leases["completed"] == leases["trained"] == 2 * PROMPTS and leases["expired"] == 0, leases
     assert summary["leases_balanced"], leases
     assert (run / "reward.png").stat().st_size > 0
     print(f"real-shape swarm test: {time.time() - t0:.0f} s wall")
