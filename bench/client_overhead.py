@@ -104,11 +104,11 @@ def measure(args, address: str, work: Path) -> dict:
 
     vol = Volunteer(VolunteerConfig(address=address, data_dir=work / "volunteer", name="bench",
                                     prompts_per_batch=args.prompts, engine=args.engine, display="quiet",
-                                    max_batches=2))
+                                    max_batches=2, fixed_lease_size=True))  # the same prompts as the bare engine
     vol.connect()
     vol.run()  # warm-up: engine load, first adapter, first batches (not timed)
     engine = vol.engine
-    leases = vol._lease()
+    leases, _ = vol._lease()  # (leases, retry_after_s)
     prompts = [list(vol.engine.tokenizer(l.prompt)["input_ids"]) for l in leases]
     sampling, group = leases[0].sampling, leases[0].group_size
 

@@ -156,7 +156,8 @@ def run_mode(mode: str, run_dir: Path, a) -> dict:
             Identity.load_or_create(run_dir / f"client-{i}" / "identity.key")  # keys made here, not in the race
             args = ["-m", "asyncrl.client.cli", "join", address, "--name", f"vol-{i}", "--data-dir",
                     str(run_dir / f"client-{i}"), "--seed", str(a.seed + i), "--threads", "1", "--quiet",
-                    "--prompts-per-batch", str(a.prompts_per_batch)]
+                    "--prompts-per-batch", str(a.prompts_per_batch),
+                    "--fixed-lease-size"]  # every volunteer contributes prompts_per_batch groups per round
             if i == VOLUNTEERS - 1 and not mode.endswith("-even"):
                 args += ["--duty-cycle", str(SLOW_DUTY)]
             vols.append(spawn(args, run_dir / f"client-{i}.log"))

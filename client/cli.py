@@ -37,7 +37,10 @@ def add_join_arguments(join: argparse.ArgumentParser) -> None:
                       help="local copy of the base model (default: fetch the manifest's pinned revision); its "
                            "content hash must match the run's pin, or the client refuses to start")
     join.add_argument("--max-batches", type=int, default=0, help="stop after this many acked batches (0 = never)")
-    join.add_argument("--prompts-per-batch", type=int, default=4)
+    join.add_argument("--prompts-per-batch", type=int, default=4,
+                      help="most prompts per lease; fewer when this machine is too slow to return them in time")
+    join.add_argument("--fixed-lease-size", action="store_true",
+                      help="always ask for --prompts-per-batch, however slow this machine is (benchmarks)")
     join.add_argument("--client-mode", action="store_true",
                       help="behind NAT: do not accept incoming DHT connections (outbound only)")
     join.add_argument("--seed", type=int, default=0)
@@ -203,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           max_outbox_bytes=args.max_outbox_mb * 1024 * 1024,
                           duty_cycle=args.duty_cycle, hold_version=args.hold_version, max_model_len=args.max_model_len,
-                          follow=args.follow,
+                          follow=args.follow, fixed_lease_size=args.fixed_lease_size,
                           display="quiet" if args.quiet else "json" if args.json_logs else "live", **swarm)
     wait = 5.0
     while True:

@@ -6,6 +6,7 @@ Components (one job each; none references this hub):
   Engine       generation with per-token sampling logprobs (transformers; vLLM plugs in here)
   Outbox       sealed batches on disk until acked
   ReceiptLedger (client/ledger.py) each ack's coordinator-signed receipt, verified, append-only
+  LeaseSizer   (client/lease_sizing.py) prompts per lease from this machine's measured rate
   status.json  what this volunteer did (for `asyncrl-client status` and tests)
 
 Loop: poll the pointer (hot-swap a newer adapter between batches) -> lease prompts -> generate G
@@ -31,7 +32,8 @@ from asyncrl.swarm import streams
 from asyncrl.swarm.streams import stream_name
 
 # Test-only fault injection (hivemind-style): ASYNCRL_FAULT=slow-generate:S makes each work take S seconds
-# more (a slow GPU); ASYNCRL_FAULT=pause-after-spool makes the volunteer stop
+# more (a slow GPU), slow-prompt:S S seconds more per leased prompt (a slow GPU, in proportion to the
+# work: tests/integration/test_sized_leases.py); ASYNCRL_FAULT=pause-after-spool makes the volunteer stop
 # between writing a batch to the outbox and uploading it, so a test can SIGKILL it at exactly that point.
 FAULT = os.environ.get("ASYNCRL_FAULT", "")
 MAX_BACKOFF_S = 30.0
@@ -41,7 +43,8 @@ FOLLOW_FIRST_WAIT_S, FOLLOW_MAX_WAIT_S = 5.0, 120.0  # --follow: how often to as
 # Codes after which re-sending the same bytes can never succeed: drop the spooled copy.
 FINAL_REJECTS = {c.value for c in RejectCode} - {RejectCode.RATE_LIMITED.value, RejectCode.INTERNAL.value}
 # A lease refused with these ends the volunteer's run: asking again can never succeed.
-FINAL_LEASE_REJECTS = {RejectCode.UNSUPPORTED_VERSION, RejectCode.NOT_ALLOWED}
+FINAL_LEASE_REJECTS = {RejectCode.UNSUPPORTED_VERSION, RejectCode.NOT_ALLOWED, RejectCode.TOO_SLOW}
+MAX_SIZES_KEPT = 64  # status.json keeps this many recent lease sizes
 
 
 @dataclass
@@ -64,6 +67,7 @@ class VolunteerConfig:
     max_model_len: int | None = None  # cap the engine's context (prompt + completion); None = the model's
     hold_version: int = 0  # EXPERIMENT-ONLY: generate with the adapter K versions behind (client/version_hold.py)
     follow: bool = False  # when the run is over, wait for the coordinator's next run instead of exiting
+    fixed_lease_size: bool = False  # always ask for prompts_per_batch (no sizing: benchmarks, comparisons)
     # swarm (client/swarm_member.py, docs/transport.md)
     coordinator: str | None = None  # coordinator peer id when `address` is another peer's (bootstrap only)
     more_addresses: tuple[str, ...] = ()  # further bootstrap addresses: any one that answers suffices
@@ -102,6 +106,9 @@ class VolunteerStatus:
     receipts_missing: int = 0  # acks that came without one (an older coordinator, or its disk failed)
     receipts_invalid: int = 0  # receipts that did not verify against the join address (never kept)
     run_finished: bool = False  # the coordinator ended the run (signed pointer / RUN_FINISHED): we stopped
+    lease_sizes: list[int] = field(default_factory=list)  # prompts granted per lease, newest last (client/lease_sizing.py)
+    seconds_per_prompt: float = 0.0  # measured, grant to ack (or to the lease's loss)
+    refused: str = ""  # the code that ended this volunteer's run (TOO_SLOW, NOT_ALLOWED, UNSUPPORTED_VERSION)
 
 
 class EngineFailed(RuntimeError):
@@ -160,6 +167,10 @@ class Volunteer:
         self.status = VolunteerStatus(name=self.name, fingerprint=self.identity.fingerprint)
         self.run_id: str | None = None
         self.latest_version: int | None = None
+        from .lease_sizing import LeaseSizer
+
+        self.sizer = LeaseSizer(cfg.prompts_per_batch, fixed=cfg.fixed_lease_size)  # work sized to this machine
+        self.granted_at = 0.0
 
     # ---- start-up ---------------------------------------------------------------------------
     def connect(self, run_id: str | None = None, timeout: float = 60.0) -> None:
@@ -303,10 +314,13 @@ class Volunteer:
                     self.status.idle_lease_requests = self.idle.requests
                     continue
                 self.idle.reset()
-                busy_from = time.perf_counter()
-                self._work(leases)
+                busy_from, lost_before = time.perf_counter(), self.status.leases_lost
+                done = self._work(leases)
                 busy = time.perf_counter() - busy_from
                 self.flush()
+                if done or self.status.leases_lost > lost_before:  # grant to ack (or to losing it): per prompt
+                    self.sizer.measured(len(leases), time.monotonic() - self.granted_at)
+                    self.status.seconds_per_prompt = round(self.sizer.seconds_per_prompt, 3)
                 self.pacer.rest_after(busy, self.stop)  # --duty-cycle (no-op at 1.0)
                 self.status.busy_s, self.status.rested_s = self.pacer.busy_s, self.pacer.rested_s
                 backoff = 1.0
@@ -315,6 +329,8 @@ class Volunteer:
                     self.status.run_finished = True
                     break
                 if exc.code in FINAL_LEASE_REJECTS:  # no retry can help: say so and stop (cli.py prints it)
+                    self.status.refused = exc.code.value
+                    self._write_status()
                     raise
                 self.display.event("warning", f"warning: {exc.code.value}: {exc.detail}", code=exc.code.value)
                 if exc.code is RejectCode.RATE_LIMITED:  # back off like an empty grant, never hammer
@@ -360,14 +376,19 @@ class Volunteer:
                      f"{adapter.manifest.compressed_bytes} bytes)")
 
     def _lease(self) -> tuple[list[messages.TaskLease], float]:
-        req = messages.LeaseRequest(run_id=self.run_id, max_prompts=self.cfg.prompts_per_batch,
+        req = messages.LeaseRequest(run_id=self.run_id, max_prompts=self.sizer.want(),  # client/lease_sizing.py
                                     adapter_version=self.serving_version, client_name=self.name,
-                                    client_version=handshake.package_version())
+                                    client_version=handshake.package_version(),
+                                    seconds_per_prompt=self.sizer.reported_rate())
         sealed = envelope.seal(self.identity, "lease_request", messages.encode(req), audience=self.coordinator_key)
         raw = self.node.call(self.coordinator_peer_id, stream_name(self.run_id, streams.LEASE), sealed,
                              max_response_bytes=limits.MAX_LEASE_GRANT_BYTES)
         grant = messages.decode(raw, messages.LeaseGrant, max_bytes=limits.MAX_LEASE_GRANT_BYTES)
+        self.granted_at = time.monotonic()
         self.latest_version = grant.current_version
+        self.sizer.observe_grant(grant)
+        if grant.leases:
+            self.status.lease_sizes = (self.status.lease_sizes + [len(grant.leases)])[-MAX_SIZES_KEPT:]
         return list(grant.leases), grant.retry_after_s
 
     def _renew(self, lease_ids: list[str]) -> dict[str, float]:
@@ -441,7 +462,8 @@ class Volunteer:
                                f"error: {first.__class__.__name__}: {str(first)[:300]}") from first
         return done
 
-    def _work(self, leases: list[messages.TaskLease]) -> None:
+    def _work(self, leases: list[messages.TaskLease]) -> int:
+        """Generate and score the leased prompts, spool the batch; returns the number of groups spooled."""
         from asyncrl import tasks
 
         from .lease_keeper import LeaseKeeper
@@ -452,6 +474,8 @@ class Volunteer:
         with LeaseKeeper(self._renew, leases) as keeper:
             if FAULT.startswith("slow-generate:"):  # test-only: an honest but slow GPU (tests/integration/test_long_work.py)
                 self.stop.wait(float(FAULT.split(":", 1)[1]))
+            if FAULT.startswith("slow-prompt:"):  # test-only: slow in proportion to the work (test_sized_leases.py)
+                self.stop.wait(float(FAULT.split(":", 1)[1]) * len(leases))
             generated = self._generate(leases, group_size, sampling)
         self.status.lease_renewals += keeper.renewals
         groups = []
@@ -479,7 +503,7 @@ class Volunteer:
             groups.append(messages.RolloutGroup(lease_id=lease.lease_id, prompt_id=lease.prompt_id,
                                                 prompt_token_ids=lease.prompt_token_ids, completions=tuple(comps)))
         if not groups:
-            return
+            return 0
         batch = messages.RolloutBatch(run_id=self.run_id, adapter_version=version, client_name=self.name,
                                       sampling=sampling, groups=tuple(groups), generated_at=time.time())
         payload = messages.encode(batch)
@@ -491,6 +515,7 @@ class Volunteer:
             (self.cfg.data_dir / "FAULT_PAUSED").write_text(hashlib.sha256(payload).hexdigest())
             while True:  # wait here to be SIGKILLed by the test
                 time.sleep(1)
+        return len(groups)
 
     def flush(self) -> None:
         """Upload every spooled batch; delete each only once the coordinator acked it."""

@@ -24,6 +24,13 @@ then by when they started waiting); the one at place p is told `idle_retry_s * (
 `max_idle_retry_s` (stretched so that the whole line asks at most `max_idle_polls_per_s` times a second).
 The front of the line asks again soon and gets the next free room; the back costs almost nothing.
 
+Work sized to the machine (client/lease_sizing.py): every grant carries what a prompt must be back
+within — the lease's life with renewals (`lease_max_s`, or `lease_timeout_s` without renewals),
+`max_staleness`, and the recent seconds per published version (`VersionClock`) — so a volunteer can
+size its next request (`messages.lease_budget_s`, one formula for both sides). A request that reports
+its measured `seconds_per_prompt` is cut to what fits LEASE_SAFETY of that budget, and refused TOO_SLOW,
+with the numbers, when even one prompt cannot make it: its work would only expire or go stale.
+
 Renewals ride on the same request (`LeaseRequest.renew`, TaskBoard.renew): they are answered before any
 grant, and a request for 0 prompts only renews (it never joins the idle line).
 
@@ -37,7 +44,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -48,6 +55,8 @@ from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.tasks.sources import encode_prompt
 
 MAX_LEASE_REQUEST_BYTES = 64 * 1024
+VERSION_WINDOW = 8
+"""The publish interval that sizes leases is averaged over this many recent publishes."""
 COUNT_EVERY_S = 1.0
 """The active and waiting volunteers are re-counted at most this often (O(volunteers) each time)."""
 
@@ -64,13 +73,36 @@ class LeasePolicy:
     idle_retry_s: float = 2.0
     max_idle_retry_s: float = 30.0
     max_idle_polls_per_s: float = 20.0
+    lease_life_s: float = 0.0  # how long a lease can live, renewals included; 0 = not sized (desk-only tests)
+    max_staleness: int | None = None
 
     @classmethod
     def from_config(cls, cfg) -> "LeasePolicy":
         return cls(run_id=cfg.run_id, group_size=cfg.group_size, prompts_per_lease=cfg.prompts_per_lease,
                    max_inflight_groups=cfg.inflight_groups, window_s=cfg.timestamp_window_s,
                    new_key_share=cfg.new_key_share, active_window_s=cfg.lease_timeout_s,
-                   idle_retry_s=cfg.idle_retry_s, max_idle_retry_s=cfg.max_idle_retry_s)
+                   idle_retry_s=cfg.idle_retry_s, max_idle_retry_s=cfg.max_idle_retry_s,
+                   lease_life_s=cfg.lease_max_s or cfg.lease_timeout_s, max_staleness=cfg.max_staleness)
+
+
+class VersionClock:
+    """Seconds per published version over the last VERSION_WINDOW publishes (0 until three were seen):
+    the staleness half of a lease's time budget (messages.lease_budget_s). Thread-safe."""
+
+    def __init__(self, clock=time.monotonic):
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._times: deque[float] = deque(maxlen=VERSION_WINDOW)
+
+    def published(self) -> None:
+        with self._lock:
+            self._times.append(self._clock())
+
+    def interval_s(self) -> float:
+        with self._lock:
+            if len(self._times) < 3:
+                return 0.0
+            return (self._times[-1] - self._times[0]) / (len(self._times) - 1)
 
 
 class FairShare:
@@ -166,6 +198,7 @@ class LeaseDesk:
         self.tokenizer = tokenizer
         self.current_version = current_version
         self.fair = FairShare(policy, proven=self._proven, clock=clock)
+        self.versions = VersionClock(clock)  # the hub calls versions.published() after each publish
         self.gate = gate  # coordinator.handshake.GatePolicy: the version gate, also for clients that skipped it
 
     def _proven(self, key: bytes) -> bool:
@@ -207,7 +240,19 @@ class LeaseDesk:
         version = self.current_version()
         renewed = tuple(messages.LeaseRenewal(lid, left)
                         for lid, left in self.board.renew(req.renew, opened.signer).items()) if req.renew else ()
+        interval = self.versions.interval_s()
+        budget = messages.lease_budget_s(p.lease_life_s, p.max_staleness, interval)
+        sizing = dict(lease_life_s=p.lease_life_s, version_interval_s=interval,
+                      max_staleness=-1 if p.max_staleness is None else p.max_staleness)
+        if req.seconds_per_prompt > budget:  # its own measurement says it cannot make it: tell it, lease nothing
+            raise ProtocolError(RejectCode.TOO_SLOW, (
+                f"this volunteer needs ~{req.seconds_per_prompt:.0f} s per prompt (its measurement); this run needs a "
+                f"prompt back within {budget:.0f} s (lease life {p.lease_life_s:.0f} s, max_staleness "
+                f"{sizing['max_staleness']} at ~{interval:.0f} s per version), so its work would be dropped. "
+                "A faster engine or GPU helps; this machine cannot join this run."))
         want = min(req.max_prompts, p.prompts_per_lease)
+        if want > 0 and req.seconds_per_prompt > 0 and math.isfinite(budget):  # backstop: one that asks too much
+            want = min(want, max(1, int(messages.LEASE_SAFETY * budget / req.seconds_per_prompt)))
         retry_after = 0.0
         renewal_only = want <= 0  # a renewal only: no grant, no place in the idle line, no quorum vote
         waiting = (not renewal_only and self.quorum is not None
@@ -241,7 +286,7 @@ class LeaseDesk:
             for g in grants)
         self.ingest.note_client(opened.signer, req.client_name)
         return messages.encode(messages.LeaseGrant(run_id=p.run_id, leases=leases, current_version=version,
-                                                   retry_after_s=retry_after, renewed=renewed))
+                                                   retry_after_s=retry_after, renewed=renewed, **sizing))
 
 
 def int32_bytes(ids) -> bytes:

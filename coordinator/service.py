@@ -239,7 +239,7 @@ class Coordinator:
         self.trust.start()
         # Everything up to learner.version - 1 may be held by volunteers (a resumed run's lineage).
         self.publish_worker = PublishWorker(self.publisher, self.pointer, before_visible=self._before_visible,
-                                            on_published=lambda rec: self.log.write("publish", **rec),
+                                            on_published=self._on_published,
                                             published_floor=self.learner.version - 1, out=self.out).start()
         self._serve_handlers()
         self._publish()
@@ -328,6 +328,10 @@ class Coordinator:
         from .publisher import export_version
 
         self.publish_worker.submit(export_version(self.learner, self.cfg.publish_dtype))
+
+    def _on_published(self, record: dict) -> None:
+        self.lease_desk.versions.published()  # the publish interval sizes leases (coordinator/leasing.py)
+        self.log.write("publish", **record)
 
     def _before_visible(self, export) -> None:
         """Publisher thread, before a version can reach any volunteer: the audit copy, then lineage.json

@@ -39,6 +39,7 @@ class RejectCode(str, enum.Enum):
     HASH_MISMATCH = "HASH_MISMATCH"  # content does not match its signed sha256
     WRONG_RUN = "WRONG_RUN"  # message belongs to another run_id
     RUN_FINISHED = "RUN_FINISHED"  # the run is over: no more leases, batches are no longer trained
+    TOO_SLOW = "TOO_SLOW"  # the volunteer's measured rate cannot return one prompt within the lease / staleness budget
     INTERNAL = "INTERNAL"  # our fault, not the sender's
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"  # a request's bytes did not arrive in time (slow-drip stream cut)
     UNSCORABLE = "UNSCORABLE"  # our reward check could not finish (timeout/crash): not the sender's fault

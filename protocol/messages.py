@@ -166,6 +166,9 @@ class LeaseRequest(_Message):
     renew: Annotated[tuple[Annotated[str, msgspec.Meta(max_length=128)], ...],
                      msgspec.Meta(max_length=limits.MAX_GROUPS_PER_BATCH)] = ()
     client_version: str = ""  # schema 2: the volunteer's asyncrl release (the coordinator's version gate)
+    # schema 2: this volunteer's measured wall seconds per leased prompt, grant to ack; 0 = not measured.
+    # The coordinator refuses TOO_SLOW when even one prompt cannot be back within `lease_budget_s`.
+    seconds_per_prompt: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] = 0.0
 
 
 class LeaseRenewal(_Record):
@@ -184,6 +187,25 @@ class LeaseGrant(_Message):
     retry_after_s: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_RETRY_AFTER_S)] = 0.0
     # schema 2: the answer to LeaseRequest.renew, one entry per id asked about
     renewed: Annotated[tuple[LeaseRenewal, ...], msgspec.Meta(max_length=limits.MAX_GROUPS_PER_BATCH)] = ()
+    # schema 2: what a volunteer sizes its next request by (`lease_budget_s`, client/lease_sizing.py)
+    lease_life_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e7)] = 0.0  # renewals included; 0 = unknown
+    max_staleness: Annotated[int, msgspec.Meta(ge=-1)] = -1  # versions; -1 = unlimited
+    version_interval_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e7)] = 0.0  # recent s per version; 0 = unknown
+
+
+LEASE_SAFETY = 0.5
+"""A lease is sized to come back within this fraction of its time budget (room for a slower stretch)."""
+
+
+def lease_budget_s(lease_life_s: float, max_staleness: int | None, version_interval_s: float) -> float:
+    """Seconds within which a leased prompt must be back to be trained: before its lease dies (renewed up to
+    lease_max_s after the grant), and before max_staleness + 1 more versions are published (then a batch of
+    the leased version is stale). An unknown life or interval (0), or unlimited staleness (None / -1), adds
+    no bound; both sides compute it with this one function."""
+    budget = lease_life_s if lease_life_s > 0 else math.inf
+    if max_staleness is not None and max_staleness >= 0 and version_interval_s > 0:
+        budget = min(budget, (max_staleness + 1) * version_interval_s)
+    return budget
 
 
 class RolloutBatch(_Message):

@@ -30,7 +30,8 @@ def test_killed_volunteers_prompts_are_released_and_trained(procs, tmp_path):
                                         "--prompts-per-lease", "2", "--group-size", "8", "--lease-timeout-s", "15",
                                         "--max-staleness", "-1"])
     join = wait_for_join(run, 180)
-    args = ["-m", "asyncrl.client.cli", "join", join, "--threads", "1", "--prompts-per-batch", "2"]
+    args = ["-m", "asyncrl.client.cli", "join", join, "--threads", "1", "--prompts-per-batch", "2",
+            "--fixed-lease-size"]  # the victim holds two leases from its first grant on (no one-prompt probe)
     victim_dir = tmp_path / "victim"
     victim = procs.start("victim", [*args, "--name", "victim", "--data-dir", str(victim_dir)],
                          env={"ASYNCRL_FAULT": "pause-after-spool"})  # stops holding its leases, batch unsent

@@ -49,7 +49,8 @@ def _start_coordinator(procs, run, *extra):
 
 def _volunteer(procs, tmp_path, join, name, *extra):
     return procs.start(name, ["-m", "asyncrl.client.cli", "join", join, "--name", name, "--data-dir",
-                              str(tmp_path / name), "--threads", "1", "--quiet", "--prompts-per-batch", "2", *extra])
+                              str(tmp_path / name), "--threads", "1", "--quiet", "--prompts-per-batch", "2",
+                              "--fixed-lease-size", *extra])  # two groups per volunteer per round, from the first
 
 
 def test_sync_steps_on_every_live_volunteer_at_the_current_version(procs, tmp_path):

@@ -1,0 +1,76 @@
+"""Work sized to the machine (client/lease_sizing.py, coordinator/leasing.py), real processes over loopback.
+
+One coordinator whose leases live at most LIFE_S (renewals included). Three volunteers slowed by
+ASYNCRL_FAULT=slow-prompt:S (S seconds per leased prompt on top of generation, so the figures below hold
+whatever this machine's speed — conditions, not luck):
+  * `fixed` (--fixed-lease-size) asks for 8 prompts every time: 8 x 1 s > LIFE_S, so each lease dies
+    before it is done and its groups are lost;
+  * `sized` measures itself on a one-prompt lease, then asks for what fits half the budget: nothing lost
+    to lease expiry, nothing rejected, none of its batches dropped as stale;
+  * `hopeless` needs 8 s for a single prompt: after its first lease it is refused TOO_SLOW and stops.
+The in-flight room (24) and `--new-key-share 1.0` keep fairness and back-pressure from shrinking the
+fixed lease: only sizing differs between `fixed` and `sized`.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+from asyncrl.protocol.errors import RejectCode
+from tests.conftest import wait_for, wait_for_join
+
+pytestmark = pytest.mark.integration
+LIFE_S = 6.0
+
+
+def _status(root, name) -> dict:
+    try:
+        return json.loads((root / name / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _events(run, kind):
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["event"] == kind]
+
+
+def test_a_slowed_volunteer_takes_smaller_leases_and_loses_nothing_where_a_fixed_lease_dies(procs, tmp_path):
+    run = tmp_path / "run"
+    procs.start("coordinator", ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny", "--run-dir", str(run),
+                                "--no-dashboard", "--max-steps", "0", "--threads", "1", "--lease-timeout-s", "3",
+                                "--lease-max-s", str(LIFE_S), "--prompts-per-lease", "8", "--max-inflight-groups", "24",
+                                "--new-key-share", "1.0", "--groups-per-step", "2", "--min-groups", "1",
+                                "--max-wait-s", "1"])
+    join = wait_for_join(run)
+
+    def volunteer(name, slow_s, *extra):
+        return procs.start(name, ["-m", "asyncrl.client.cli", "join", join, "--name", name, "--data-dir",
+                                  str(tmp_path / name), "--threads", "1", "--quiet", "--prompts-per-batch", "8",
+                                  *extra], env={"ASYNCRL_FAULT": f"slow-prompt:{slow_s}"})
+
+    sized = volunteer("sized", 1.0)
+    fixed = volunteer("fixed", 1.0, "--fixed-lease-size")
+    hopeless = volunteer("hopeless", 8.0)
+    assert hopeless.wait(300) != 0, hopeless.log_path.read_text()[-3000:]  # stops on its own: refused
+    h = _status(tmp_path, "hopeless")
+    assert h["refused"] == RejectCode.TOO_SLOW.value and h["lease_sizes"] == [1], h
+    assert h["seconds_per_prompt"] > LIFE_S and h["batches_sent"] == 0
+    wait_for(lambda: _status(tmp_path, "fixed").get("leases_lost", 0) >= 8, 300,
+             "the fixed-size volunteer's first lease lost (it outlived the lease's life)")
+    wait_for(lambda: _status(tmp_path, "sized").get("batches_acked", 0) >= 4, 300, "four batches from `sized`")
+    for p in (sized, fixed):
+        procs.signal(p, signal.SIGINT)
+    for p in (sized, fixed):
+        p.wait(120)
+    s, f = _status(tmp_path, "sized"), _status(tmp_path, "fixed")
+    assert s["lease_sizes"][0] == 1 and 1 <= max(s["lease_sizes"]) < 8, s["lease_sizes"]  # measured, then sized
+    assert s["seconds_per_prompt"] >= 1.0  # the injected second per prompt, at least
+    assert s["batches_rejected"] == {} and s["leases_lost"] == 0 and s["leases_abandoned"] == 0, s
+    assert set(f["lease_sizes"]) == {8} and f["leases_lost"] >= 8 and f["batches_acked"] == 0, f
+    sized_ids = {e["batch_id"] for e in _events(run, "batch") if e["client"] == "sized"}
+    dropped = {b for e in _events(run, "dropped") for b in e["batch_ids"]}
+    assert len(sized_ids) >= 4 and not (sized_ids & dropped)  # none of its batches dropped as stale
