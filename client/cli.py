@@ -59,6 +59,16 @@ def add_join_arguments(join: argparse.ArgumentParser) -> None:
     join.add_argument("--hold-version", type=int, default=0, metavar="K",
                       help="EXPERIMENT ONLY (staleness benchmarks): generate with the adapter K versions behind "
                            "the newest; wastes the swarm's work otherwise (docs/staleness.md)")
+    polite = join.add_argument_group("sharing the machine politely (docs/volunteer.md)")
+    polite.add_argument("--only-when-idle", action="store_true",
+                        help="pause (returning unfinished leases) while other processes use the GPU — or, without "
+                             "an NVIDIA GPU, the CPU — or the user is at the keyboard; resume when idle")
+    polite.add_argument("--user-idle-s", type=float, default=180.0, metavar="S",
+                        help="with --only-when-idle: keyboard/terminal input within S seconds means in use (0 = ignore)")
+    polite.add_argument("--idle-max-cpu", type=float, default=0.5, metavar="F",
+                        help="with --only-when-idle and no NVIDIA GPU: other processes above this CPU share mean busy")
+    polite.add_argument("--max-gpu-memory-gb", type=float, default=0.0, metavar="GB",
+                        help="cap the engine's GPU memory at GB GiB (0 = --gpu-memory-utilization alone)")
     from .swarm_member import add_swarm_arguments
 
     add_swarm_arguments(join)
@@ -89,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="write them to FILE (JSON) for anyone to check with `asyncrl-client verify`")
     rec.add_argument("--coordinator", default=None, metavar="PEER_ID",
                      help="only receipts signed by this coordinator (default: all)")
+    for name, text in (("pause", "pause a running volunteer (returns its unfinished leases); --for limits it"),
+                       ("resume", "resume a volunteer paused with `pause`")):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("--data-dir", type=Path, default=default_data_dir())
+        if name == "pause":
+            cmd.add_argument("--for", dest="duration", default="1000d", metavar="DURATION",
+                             help="e.g. 90s, 30m, 2h (default: until `asyncrl-client resume`)")
     ver = sub.add_parser("verify", help="verify an exported receipts FILE offline against a join address")
     ver.add_argument("file", type=Path)
     ver.add_argument("--address", required=True, help="the run's join address (its /p2p/ peer id is the key)")
@@ -105,6 +122,30 @@ EXIT_BASE_MISMATCH = 3
 def fail(message: str, code: int = 1) -> int:
     print(f"asyncrl-client: error: {message}", file=sys.stderr)
     return code
+
+
+def snooze(data_dir: Path, duration: str | None) -> int:
+    """`pause` / `resume`: <data-dir>/pause.until, read by a running volunteer (client/polite.py)."""
+    from asyncrl.protocol.atomic import write_atomic
+
+    from .polite import PAUSE_NAME
+
+    path = data_dir / PAUSE_NAME
+    if duration is None:
+        path.unlink(missing_ok=True)
+        print(json.dumps({"paused": False}))
+        return 0
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    try:
+        seconds = float(duration[:-1]) * units[duration[-1]] if duration[-1] in units else float(duration)
+    except (ValueError, IndexError):
+        return fail(f"--for {duration!r}: expected e.g. 90s, 30m, 2h", 2)
+    if not data_dir.exists():
+        return fail(f"no volunteer data in {data_dir}", 1)
+    until = time.time() + max(0.0, seconds)
+    write_atomic(path, f"{until}\n")
+    print(json.dumps({"paused": True, "until": until}))
+    return 0
 
 
 def show_keys(data_dir: Path, *, create: bool) -> int:
@@ -162,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         from . import doctor
 
         return doctor.main(args)
+    if args.command in ("pause", "resume"):
+        return snooze(args.data_dir, args.duration if args.command == "pause" else None)
     if args.command in ("receipts", "verify"):
         from . import receipts_cli
 
@@ -177,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail("--duty-cycle must be in (0, 1]", 2)
     if args.hold_version < 0:
         return fail("--hold-version must be >= 0", 2)
+    if args.user_idle_s < 0 or not 0 < args.idle_max_cpu <= 1 or args.max_gpu_memory_gb < 0:
+        return fail("--user-idle-s and --max-gpu-memory-gb must be >= 0, --idle-max-cpu in (0, 1]", 2)
 
     from asyncrl.swarm.bootstrap import join_spec
     from asyncrl.swarm.transport import BadAddress, TransportError, check_reachable, parse_join_address
@@ -207,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                           max_outbox_bytes=args.max_outbox_mb * 1024 * 1024,
                           duty_cycle=args.duty_cycle, hold_version=args.hold_version, max_model_len=args.max_model_len,
                           follow=args.follow, fixed_lease_size=args.fixed_lease_size,
+                          only_when_idle=args.only_when_idle, user_idle_s=args.user_idle_s,
+                          idle_max_cpu=args.idle_max_cpu, max_gpu_memory_gb=args.max_gpu_memory_gb,
                           display="quiet" if args.quiet else "json" if args.json_logs else "live", **swarm)
     wait = 5.0
     while True:

@@ -185,6 +185,19 @@ def vllm_too_old() -> str | None:
     return None
 
 
+def capped_memory_utilization(utilization: float, max_gpu_memory_gb: float, *, out=print) -> float:
+    """`--max-gpu-memory-gb`: the GPU memory fraction the engine may take, at most that many GiB of device 0
+    (vLLM reserves `gpu_memory_utilization` of the card; transformers is capped with torch's per-process
+    fraction). No CUDA: nothing to cap."""
+    if max_gpu_memory_gb <= 0 or not torch.cuda.is_available():
+        return utilization
+    total = torch.cuda.get_device_properties(0).total_memory
+    capped = min(utilization, max_gpu_memory_gb * (1 << 30) / total)
+    torch.cuda.set_per_process_memory_fraction(capped, 0)
+    out(f"engine: at most {capped * total / (1 << 30):.1f} GiB of GPU memory ({capped:.2f} of the card)")
+    return capped
+
+
 def make_engine(kind: str, model: str, lora: LoraSpec, *, gpu_memory_utilization: float = 0.85, seed: int = 0,
                 max_staleness: int = 4, max_model_len: int | None = None, stop_token_ids: Sequence[int] | None = None,
                 out=print) -> Engine:

@@ -7,6 +7,7 @@ Components (one job each; none references this hub):
   Outbox       sealed batches on disk until acked
   ReceiptLedger (client/ledger.py) each ack's coordinator-signed receipt, verified, append-only
   LeaseSizer   (client/lease_sizing.py) prompts per lease from this machine's measured rate
+  IdleWatch    (client/polite.py) --only-when-idle / `asyncrl-client pause`: pause, returning unfinished leases
   status.json  what this volunteer did (for `asyncrl-client status` and tests)
 
 Loop: poll the pointer (hot-swap a newer adapter between batches) -> lease prompts -> generate G
@@ -45,6 +46,7 @@ FINAL_REJECTS = {c.value for c in RejectCode} - {RejectCode.RATE_LIMITED.value, 
 # A lease refused with these ends the volunteer's run: asking again can never succeed.
 FINAL_LEASE_REJECTS = {RejectCode.UNSUPPORTED_VERSION, RejectCode.NOT_ALLOWED, RejectCode.TOO_SLOW}
 MAX_SIZES_KEPT = 64  # status.json keeps this many recent lease sizes
+PAUSE_POLL_S = 2.0  # paused: how often to look whether the machine is free again
 
 
 @dataclass
@@ -68,6 +70,11 @@ class VolunteerConfig:
     hold_version: int = 0  # EXPERIMENT-ONLY: generate with the adapter K versions behind (client/version_hold.py)
     follow: bool = False  # when the run is over, wait for the coordinator's next run instead of exiting
     fixed_lease_size: bool = False  # always ask for prompts_per_batch (no sizing: benchmarks, comparisons)
+    # polite mode (client/polite.py)
+    only_when_idle: bool = False  # pause while other processes use the GPU (or CPU) or the user is active
+    user_idle_s: float = 180.0  # user input this recently counts as "in use" (0 = ignore the user)
+    idle_max_cpu: float = 0.5  # other processes' CPU share that counts as busy on a machine without NVIDIA
+    max_gpu_memory_gb: float = 0.0  # cap on the engine's GPU memory (0 = --gpu-memory-utilization alone)
     # swarm (client/swarm_member.py, docs/transport.md)
     coordinator: str | None = None  # coordinator peer id when `address` is another peer's (bootstrap only)
     more_addresses: tuple[str, ...] = ()  # further bootstrap addresses: any one that answers suffices
@@ -109,6 +116,11 @@ class VolunteerStatus:
     lease_sizes: list[int] = field(default_factory=list)  # prompts granted per lease, newest last (client/lease_sizing.py)
     seconds_per_prompt: float = 0.0  # measured, grant to ack (or to the lease's loss)
     refused: str = ""  # the code that ended this volunteer's run (TOO_SLOW, NOT_ALLOWED, UNSUPPORTED_VERSION)
+    state: str = "starting"  # starting | working | generating | paused
+    lease_progress: list[int] = field(default_factory=list)  # [prompts done, prompts leased] while generating
+    pause_reason: str = ""
+    paused_s: float = 0.0  # time paused by polite mode or `asyncrl-client pause`
+    leases_returned: int = 0  # unfinished leases given back on a pause (instead of letting them expire)
 
 
 class EngineFailed(RuntimeError):
@@ -171,6 +183,13 @@ class Volunteer:
 
         self.sizer = LeaseSizer(cfg.prompts_per_batch, fixed=cfg.fixed_lease_size)  # work sized to this machine
         self.granted_at = 0.0
+        from .polite import IdleWatch
+
+        self.polite = IdleWatch(cfg.data_dir, only_when_idle=cfg.only_when_idle, user_idle_s=cfg.user_idle_s,
+                                cpu_busy_fraction=cfg.idle_max_cpu)
+        if cfg.only_when_idle:
+            self.out(f"[{self.name}] --only-when-idle: pausing while any of these say busy: "
+                     + ", ".join(self.polite.detectors()))
 
     # ---- start-up ---------------------------------------------------------------------------
     def connect(self, run_id: str | None = None, timeout: float = 60.0) -> None:
@@ -261,8 +280,11 @@ class Volunteer:
             raise BaseModelMismatch(exc.code.value, exc.detail) from None
         if not self.cfg.quiet:
             self.out(f"base model {pin.name} at {pin.short()} verified ({base.path})")
+        from .engine import capped_memory_utilization
+
+        utilization = capped_memory_utilization(self.cfg.gpu_memory_utilization, self.cfg.max_gpu_memory_gb, out=self.out)
         self.engine = make_engine(self.cfg.engine, base.path, manifest.lora, seed=self.cfg.seed,
-                                  gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+                                  gpu_memory_utilization=utilization,
                                   max_model_len=self.cfg.max_model_len, stop_token_ids=pin.stop_token_ids,
                                   out=self.out)
         self.model_name = base.path
@@ -301,6 +323,11 @@ class Volunteer:
                                        f"{self.outbox.max_bytes}); pausing generation until uploads succeed")
                     self.flush()
                     continue
+                reason = self.polite.busy()  # --only-when-idle / `asyncrl-client pause`
+                if reason is not None:
+                    self._pause(reason)
+                    continue
+                self.status.state = "working"
                 leases, retry_after = self._lease()
                 if not leases:
                     if retry_after > 0:  # the coordinator's waiting line (client/pacing.py IdleBackoff)
@@ -315,11 +342,13 @@ class Volunteer:
                     continue
                 self.idle.reset()
                 busy_from, lost_before = time.perf_counter(), self.status.leases_lost
+                returned_before = self.status.leases_returned
                 done = self._work(leases)
                 busy = time.perf_counter() - busy_from
                 self.flush()
+                tried = len(leases) - (self.status.leases_returned - returned_before)  # a pause returns the rest
                 if done or self.status.leases_lost > lost_before:  # grant to ack (or to losing it): per prompt
-                    self.sizer.measured(len(leases), time.monotonic() - self.granted_at)
+                    self.sizer.measured(tried, time.monotonic() - self.granted_at)
                     self.status.seconds_per_prompt = round(self.sizer.seconds_per_prompt, 3)
                 self.pacer.rest_after(busy, self.stop)  # --duty-cycle (no-op at 1.0)
                 self.status.busy_s, self.status.rested_s = self.pacer.busy_s, self.pacer.rested_s
@@ -462,6 +491,55 @@ class Volunteer:
                                f"error: {first.__class__.__name__}: {str(first)[:300]}") from first
         return done
 
+    def _generate_politely(self, leases, group_size: int, sampling) -> tuple[list[tuple], list, str | None]:
+        """(generated, unfinished, pause reason). With --only-when-idle one prompt at a time, asking
+        IdleWatch between them: when the machine is wanted, the leases not yet started are left for the
+        caller to return. Otherwise all prompts in one engine call (vLLM batches them)."""
+        slow_s = float(FAULT.split(":", 1)[1]) if FAULT.startswith("slow-prompt:") else 0.0  # test-only
+        if not self.cfg.only_when_idle:
+            self.stop.wait(slow_s * len(leases))
+            return self._generate(leases, group_size, sampling), [], None
+        generated = []
+        for i, lease in enumerate(leases):
+            if i:
+                reason = self.polite.busy()
+                if reason is not None:
+                    return generated, list(leases[i:]), reason
+            self.status.state, self.status.lease_progress = "generating", [i, len(leases)]
+            self._write_status()
+            self.stop.wait(slow_s)
+            generated += self._generate([lease], group_size, sampling)
+        return generated, [], None
+
+    def _release(self, leases: list[messages.TaskLease], reason: str | None) -> None:
+        """Give leases back (a LeaseRequest with `release`): their prompts go to someone else now, instead
+        of waiting out the lease timeout (coordinator/taskboard.py `release`)."""
+        from asyncrl.swarm.transport import TransportError
+
+        ids = tuple(l.lease_id for l in leases)
+        req = messages.LeaseRequest(run_id=self.run_id, max_prompts=0, adapter_version=self.serving_version,
+                                    client_name=self.name, client_version=handshake.package_version(), release=ids)
+        sealed = envelope.seal(self.identity, "lease_request", messages.encode(req), audience=self.coordinator_key)
+        try:
+            self.node.call(self.coordinator_peer_id, stream_name(self.run_id, streams.LEASE), sealed,
+                           max_response_bytes=limits.MAX_LEASE_GRANT_BYTES)
+            self.status.leases_returned += len(ids)
+            self.display.event("info", f"[{self.name}] pausing ({reason}): returned {len(ids)} unfinished leases")
+        except (TransportError, ProtocolError) as exc:  # they expire on their own, as without polite mode
+            self.display.event("warning", f"could not return {len(ids)} leases ({exc}); they will expire")
+
+    def _pause(self, reason: str) -> None:
+        """Polite mode / `asyncrl-client pause`: no work until the machine is free again (client/polite.py)."""
+        self.status.state, self.status.pause_reason = "paused", reason
+        self._write_status()
+        self.display.event("info", f"[{self.name}] paused: {reason}")
+        t0 = time.monotonic()
+        while not self.stop.is_set() and self.polite.busy() is not None:
+            self.stop.wait(PAUSE_POLL_S)
+        self.status.paused_s += time.monotonic() - t0
+        self.status.state, self.status.pause_reason = "working", ""
+        self.display.event("info", f"[{self.name}] resumed after {time.monotonic() - t0:.0f} s")
+
     def _work(self, leases: list[messages.TaskLease]) -> int:
         """Generate and score the leased prompts, spool the batch; returns the number of groups spooled."""
         from asyncrl import tasks
@@ -474,10 +552,10 @@ class Volunteer:
         with LeaseKeeper(self._renew, leases) as keeper:
             if FAULT.startswith("slow-generate:"):  # test-only: an honest but slow GPU (tests/integration/test_long_work.py)
                 self.stop.wait(float(FAULT.split(":", 1)[1]))
-            if FAULT.startswith("slow-prompt:"):  # test-only: slow in proportion to the work (test_sized_leases.py)
-                self.stop.wait(float(FAULT.split(":", 1)[1]) * len(leases))
-            generated = self._generate(leases, group_size, sampling)
+            generated, unfinished, reason = self._generate_politely(leases, group_size, sampling)
         self.status.lease_renewals += keeper.renewals
+        if unfinished:  # paused mid-lease: the rest goes back to the coordinator now, not at expiry
+            self._release(unfinished, reason)
         groups = []
         for lease, group in generated:
             if lease.lease_id in keeper.lost:

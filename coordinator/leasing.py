@@ -32,7 +32,9 @@ its measured `seconds_per_prompt` is cut to what fits LEASE_SAFETY of that budge
 with the numbers, when even one prompt cannot make it: its work would only expire or go stale.
 
 Renewals ride on the same request (`LeaseRequest.renew`, TaskBoard.renew): they are answered before any
-grant, and a request for 0 prompts only renews (it never joins the idle line).
+grant, and a request for 0 prompts only renews (it never joins the idle line). So do returns
+(`LeaseRequest.release`, TaskBoard.release): a pausing volunteer's unfinished leases go back to the
+front of the queue at once.
 
 No network here: `handle(request_bytes, peer)` takes the bytes a P2P handler read and returns the
 bytes to answer, so tests drive it in-process with sealed envelopes (tests/coordinator/test_leasing.py).
@@ -238,6 +240,8 @@ class LeaseDesk:
         if req.run_id != p.run_id:
             raise ProtocolError(RejectCode.WRONG_RUN, f"this coordinator runs {p.run_id!r}")
         version = self.current_version()
+        if req.release:  # a pausing volunteer's unfinished leases (client/polite.py): someone else gets them now
+            self.board.release(req.release, opened.signer)
         renewed = tuple(messages.LeaseRenewal(lid, left)
                         for lid, left in self.board.renew(req.renew, opened.signer).items()) if req.renew else ()
         interval = self.versions.interval_s()

@@ -4,8 +4,10 @@ The coordinator chooses prompts (volunteers cannot cherry-pick easy ones). A lea
 `lease_timeout_s`; its prompt then goes back to the front of the queue and is leased to someone else
 ("re-leased"). A volunteer still working renews its leases (`renew`, carried by a LeaseRequest): each
 renewal restarts the timeout, up to `lease_max_s` after the grant, so a slow honest group is not lost
-to expiry while a vanished volunteer's prompts still come back after one timeout. Invariant, checked by `balanced()` (and written into summary.json): every lease grant
-is outstanding, completed (its group was accepted) or expired; every expired lease's prompt was
+to expiry while a vanished volunteer's prompts still come back after one timeout; a volunteer that
+pauses gives its unfinished leases back (`release`: "returned", their prompts first in line).
+Invariant, checked by `balanced()` (and written into summary.json): every lease grant is outstanding,
+completed (its group was accepted), expired or returned; every expired or returned lease's prompt was
 re-leased or still waits in the requeue; every completed group was trained, explicitly dropped
 (e.g. stale) or still waits in the learner's queue — none vanishes.
 Thread-safe: the P2P loop leases and completes, the learner loop only reads counters.
@@ -58,7 +60,8 @@ class TaskBoard:
         self.completed = 0       # groups accepted
         self.expired = 0         # leases that timed out (their prompt was requeued)
         self.dropped = 0         # groups explicitly dropped (e.g. stale) after acceptance
-        self.released = 0        # grants of a requeued (expired) prompt to someone else
+        self.released = 0        # grants of a requeued (expired or returned) prompt to someone else
+        self.returned = 0        # leases given back unfinished by their holder (release)
         self.trained = 0         # accepted groups the learner trained on
         self.renewals = 0        # lease renewals granted (not part of the balance: a renewed lease is still one lease)
         self._skip: set[str] = set()  # prompt ids settled by a journal replay before the source reached them
@@ -136,11 +139,25 @@ class TaskBoard:
         """The holder's batch for these leases was refused: end them now, as if they had expired (their
         prompts are requeued for someone else). Unknown ids and other clients' leases are ignored."""
         with self._lock:
-            gone = [lid for lid in lease_ids if lid in self._outstanding and self._outstanding[lid].client == client]
-            for lid in gone:
-                self._requeued.append(self._pop_locked(lid).prompt)
+            gone = self._take_locked(lease_ids, client)
+            self._requeued.extend(gone)
             self.expired += len(gone)
             return len(gone)
+
+    def release(self, lease_ids, client: bytes) -> int:
+        """The holder gives these leases back unfinished (it paused): requeue their prompts now, first in
+        line (they waited already), counted as `returned` rather than expired. Unknown ids and other
+        clients' leases are ignored."""
+        with self._lock:
+            back = self._take_locked(lease_ids, client)
+            self._requeued.extendleft(reversed(back))
+            self.returned += len(back)
+            return len(back)
+
+    def _take_locked(self, lease_ids, client: bytes) -> list:
+        """End `client`'s leases among `lease_ids` (others' and unknown ids are ignored); their prompts."""
+        held = [lid for lid in lease_ids if lid in self._outstanding and self._outstanding[lid].client == client]
+        return [self._pop_locked(lid).prompt for lid in held]
 
     def mark_dropped(self, n: int = 1) -> None:
         with self._lock:
@@ -153,8 +170,8 @@ class TaskBoard:
     def balanced(self, queued_groups: int) -> bool:
         """The books balance: see the module docstring. `queued_groups`: accepted but not yet trained."""
         c = self.counts()
-        return (c["leased"] == c["completed"] + c["expired"] + c["outstanding"]
-                and c["expired"] == c["released"] + c["requeued_waiting"]
+        return (c["leased"] == c["completed"] + c["expired"] + c["returned"] + c["outstanding"]
+                and c["expired"] + c["returned"] == c["released"] + c["requeued_waiting"]
                 and c["completed"] == c["trained"] + c["dropped"] + queued_groups)
 
     def settle_replayed(self, prompt_id: str) -> None:
@@ -254,10 +271,10 @@ class TaskBoard:
             return {"leased": self.leased, "completed": self.completed, "expired": self.expired,
                     "dropped": self.dropped, "outstanding": len(self._outstanding),
                     "requeued_waiting": len(self._requeued), "released": self.released, "trained": self.trained,
-                    "renewals": self.renewals}
+                    "renewals": self.renewals, "returned": self.returned}
 
 
-_COUNTERS = ("leased", "completed", "expired", "dropped", "released", "trained", "renewals")
+_COUNTERS = ("leased", "completed", "expired", "dropped", "released", "trained", "renewals", "returned")
 
 
 def _prompt_dict(p: Prompt) -> dict:

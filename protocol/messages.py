@@ -166,6 +166,9 @@ class LeaseRequest(_Message):
     renew: Annotated[tuple[Annotated[str, msgspec.Meta(max_length=128)], ...],
                      msgspec.Meta(max_length=limits.MAX_GROUPS_PER_BATCH)] = ()
     client_version: str = ""  # schema 2: the volunteer's asyncrl release (the coordinator's version gate)
+    # schema 2: leases this volunteer gives back unfinished (it paused: client/polite.py); handled before any grant
+    release: Annotated[tuple[Annotated[str, msgspec.Meta(max_length=128)], ...],
+                       msgspec.Meta(max_length=limits.MAX_GROUPS_PER_BATCH)] = ()
     # schema 2: this volunteer's measured wall seconds per leased prompt, grant to ack; 0 = not measured.
     # The coordinator refuses TOO_SLOW when even one prompt cannot be back within `lease_budget_s`.
     seconds_per_prompt: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] = 0.0

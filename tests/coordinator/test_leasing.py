@@ -212,3 +212,23 @@ def test_a_long_line_of_idle_volunteers_asks_rarely(tokenizer):
         clock.t += 0.25
     per_volunteer_per_min = asked / len(idle)
     assert per_volunteer_per_min <= 6.0, per_volunteer_per_min
+
+
+def test_a_pausing_volunteer_returns_its_leases_and_they_go_to_someone_else_at_once(tokenizer):
+    desk, coordinator, board, ingest = make_desk(tokenizer)
+    alice, bob = Identity.generate(), Identity.generate()
+    held = grant(desk, request(alice, coordinator, 3)).leases
+
+    def give_back(who: Identity) -> bytes:
+        back = messages.LeaseRequest(run_id=RUN, max_prompts=0, adapter_version=7, client_name="x",
+                                     release=tuple(l.lease_id for l in held[1:]) + ("not-a-lease",))
+        return envelope.seal(who, "lease_request", messages.encode(back), audience=coordinator.public_key)
+
+    assert grant(desk, give_back(bob)).leases == ()  # bob cannot return alice's leases
+    assert board.counts()["returned"] == 0
+    assert grant(desk, give_back(alice)).leases == ()
+    c = board.counts()
+    assert (c["returned"], c["expired"], c["outstanding"]) == (2, 0, 1)
+    again = grant(desk, request(bob, coordinator, 2)).leases
+    assert {l.prompt_id for l in again} == {l.prompt_id for l in held[1:]}  # first in line, not after a timeout
+    assert board.balanced(queued_groups=0)

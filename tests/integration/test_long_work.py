@@ -1,7 +1,10 @@
 """Long work does not break the swarm (issue 14): a slow honest volunteer whose every work outlasts the
 lease timeout keeps its leases by renewing them, and every batch it sends is accepted; a volunteer whose
 engine context is too small for any prompt abandons those leases and stays alive, while the prompts expire
-back to the queue and are trained from the other volunteer. The lease books balance."""
+back to the queue and are trained from the other volunteer. In the same swarm a polite volunteer
+(`--only-when-idle`, issue 17) paused by `asyncrl-client pause` in the middle of a lease returns the
+prompts it has not started (they are not left to expire) and, resumed, works again. The lease books
+balance."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import signal
 
 import pytest
 
+from asyncrl.client import cli as client_cli
 from tests.conftest import wait_for, wait_for_join
 
 pytestmark = pytest.mark.integration
@@ -31,7 +35,9 @@ def test_slow_honest_groups_renew_and_too_long_prompts_cost_only_their_lease(pro
                                         "--run-dir", str(run), "--max-steps", "0", "--threads", "1",
                                         "--groups-per-step", "2", "--min-groups", "1", "--max-wait-s", "1",
                                         "--prompts-per-lease", "2", "--group-size", "4",
-                                        "--lease-timeout-s", str(TIMEOUT_S), "--max-staleness", "-1"])
+                                        "--lease-timeout-s", str(TIMEOUT_S), "--max-staleness", "-1",
+                                        # room for carol's whole 2-prompt lease beside the others' (fair share)
+                                        "--max-inflight-groups", "8", "--new-key-share", "1.0"])
     join = wait_for_join(run, 180)
     args = ["-m", "asyncrl.client.cli", "join", join, "--threads", "1", "--prompts-per-batch", "2", "--json-logs"]
     slow_dir, small_dir = tmp_path / "slow", tmp_path / "small"
@@ -39,6 +45,23 @@ def test_slow_honest_groups_renew_and_too_long_prompts_cost_only_their_lease(pro
                        env={"ASYNCRL_FAULT": f"slow-generate:{SLOW_S}"})
     # an engine context of 8 tokens: no prompt + max_new_tokens fits, every lease is too long for it
     small = procs.start("small", [*args, "--name", "small", "--data-dir", str(small_dir), "--max-model-len", "8"])
+
+    # polite: only the pause command counts (no user, any CPU load); 4 s per prompt leaves time to pause mid-lease
+    carol_dir = tmp_path / "carol"
+    carol = procs.start("carol", [*args, "--name", "carol", "--data-dir", str(carol_dir), "--fixed-lease-size",
+                                  "--only-when-idle", "--user-idle-s", "0", "--idle-max-cpu", "1.0"],
+                        env={"ASYNCRL_FAULT": "slow-prompt:4"})
+    wait_for(lambda: (_status(carol_dir) or {}).get("lease_progress") == [0, 2], 300, "carol on her lease's first prompt")
+    assert client_cli.main(["pause", "--data-dir", str(carol_dir)]) == 0  # in-process: no interpreter start-up to wait for
+    wait_for(lambda: (_status(carol_dir) or {}).get("state") == "paused", 120, "carol paused")
+    paused = _status(carol_dir)
+    assert paused["leases_returned"] == 1, paused  # the prompt she had not started: handed back, not left to expire
+    assert client_cli.main(["resume", "--data-dir", str(carol_dir)]) == 0
+    wait_for(lambda: (_status(carol_dir) or {}).get("batches_acked", 0) > paused["batches_acked"], 300, "carol again")
+    carol.send_signal(signal.SIGTERM)
+    assert carol.wait(60) == 0, carol.log_path.read_text()[-3000:]
+    ca = _status(carol_dir)
+    assert ca["batches_rejected"] == {} and ca["leases_lost"] == 0 and ca["paused_s"] > 0, ca
 
     wait_for(lambda: (_status(small_dir) or {}).get("leases_too_long", 0) >= 4, 300,
              "the small-context volunteer to skip leases")
@@ -57,6 +80,7 @@ def test_slow_honest_groups_renew_and_too_long_prompts_cost_only_their_lease(pro
     summary = json.loads((run / "summary.json").read_text())
     leases = summary["leases"]
     assert summary["batches_by_client"].get("slow") == 3 and summary["rejected_by_client"] == {}, summary
+    assert leases["returned"] == 1, leases  # carol's
     assert leases["renewals"] >= 3, leases
     assert leases["expired"] >= 4 and leases["released"] >= 1, leases  # the small volunteer's came back
     assert summary["leases_balanced"], leases
