@@ -497,7 +497,7 @@ class Volunteer:
         caller to return. Otherwise all prompts in one engine call (vLLM batches them)."""
         slow_s = float(FAULT.split(":", 1)[1]) if FAULT.startswith("slow-prompt:") else 0.0  # test-only
         if not self.cfg.only_when_idle:
-            self.stop.wait(slow_s * len(leases))
+            time.sleep(slow_s * len(leases))  # like a real engine, not cut short by Ctrl-C
             return self._generate(leases, group_size, sampling), [], None
         generated = []
         for i, lease in enumerate(leases):
@@ -507,7 +507,7 @@ class Volunteer:
                     return generated, list(leases[i:]), reason
             self.status.state, self.status.lease_progress = "generating", [i, len(leases)]
             self._write_status()
-            self.stop.wait(slow_s)
+            time.sleep(slow_s)
             generated += self._generate([lease], group_size, sampling)
         return generated, [], None
 

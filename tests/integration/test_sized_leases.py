@@ -61,7 +61,7 @@ def test_a_slowed_volunteer_takes_smaller_leases_and_loses_nothing_where_a_fixed
     assert h["seconds_per_prompt"] > LIFE_S and h["batches_sent"] == 0
     wait_for(lambda: _status(tmp_path, "fixed").get("leases_lost", 0) >= 8, 300,
              "the fixed-size volunteer's first lease lost (it outlived the lease's life)")
-    wait_for(lambda: _status(tmp_path, "sized").get("batches_acked", 0) >= 4, 300, "four batches from `sized`")
+    wait_for(lambda: _status(tmp_path, "sized").get("batches_acked", 0) >= 3, 300, "three batches from `sized`")
     for p in (sized, fixed):
         procs.signal(p, signal.SIGINT)
     for p in (sized, fixed):
@@ -73,4 +73,4 @@ def test_a_slowed_volunteer_takes_smaller_leases_and_loses_nothing_where_a_fixed
     assert set(f["lease_sizes"]) == {8} and f["leases_lost"] >= 8 and f["batches_acked"] == 0, f
     sized_ids = {e["batch_id"] for e in _events(run, "batch") if e["client"] == "sized"}
     dropped = {b for e in _events(run, "dropped") for b in e["batch_ids"]}
-    assert len(sized_ids) >= 4 and not (sized_ids & dropped)  # none of its batches dropped as stale
+    assert len(sized_ids) >= 3 and not (sized_ids & dropped)  # none of its batches dropped as stale
