@@ -47,6 +47,7 @@ FINAL_REJECTS = {c.value for c in RejectCode} - {RejectCode.RATE_LIMITED.value, 
 FINAL_LEASE_REJECTS = {RejectCode.UNSUPPORTED_VERSION, RejectCode.NOT_ALLOWED, RejectCode.TOO_SLOW}
 MAX_SIZES_KEPT = 64  # status.json keeps this many recent lease sizes
 PAUSE_POLL_S = 2.0  # paused: how often to look whether the machine is free again
+RELEASE_RETRY_S = 1.0  # a release whose answer was lost is sent once more after this
 
 
 @dataclass
@@ -513,20 +514,30 @@ class Volunteer:
 
     def _release(self, leases: list[messages.TaskLease], reason: str | None) -> None:
         """Give leases back (a LeaseRequest with `release`): their prompts go to someone else now, instead
-        of waiting out the lease timeout (coordinator/taskboard.py `release`)."""
+        of waiting out the lease timeout (coordinator/taskboard.py `release`). A lost answer is asked once
+        more after RELEASE_RETRY_S, like a renewal (returning is idempotent: ids no longer held are ignored)."""
         from asyncrl.swarm.transport import TransportError
 
         ids = tuple(l.lease_id for l in leases)
         req = messages.LeaseRequest(run_id=self.run_id, max_prompts=0, adapter_version=self.serving_version,
                                     client_name=self.name, client_version=handshake.package_version(), release=ids)
-        sealed = envelope.seal(self.identity, "lease_request", messages.encode(req), audience=self.coordinator_key)
-        try:
-            self.node.call(self.coordinator_peer_id, stream_name(self.run_id, streams.LEASE), sealed,
-                           max_response_bytes=limits.MAX_LEASE_GRANT_BYTES)
+        for attempt in range(2):
+            sealed = envelope.seal(self.identity, "lease_request", messages.encode(req), audience=self.coordinator_key)
+            try:
+                self.node.call(self.coordinator_peer_id, stream_name(self.run_id, streams.LEASE), sealed,
+                               max_response_bytes=limits.MAX_LEASE_GRANT_BYTES)
+            except TransportError as exc:
+                if attempt == 0:
+                    self.stop.wait(RELEASE_RETRY_S)
+                    continue
+                self.display.event("warning", f"could not return {len(ids)} leases ({exc}); they will expire")
+                return
+            except ProtocolError as exc:  # they expire on their own, as without polite mode
+                self.display.event("warning", f"could not return {len(ids)} leases ({exc}); they will expire")
+                return
             self.status.leases_returned += len(ids)
             self.display.event("info", f"[{self.name}] pausing ({reason}): returned {len(ids)} unfinished leases")
-        except (TransportError, ProtocolError) as exc:  # they expire on their own, as without polite mode
-            self.display.event("warning", f"could not return {len(ids)} leases ({exc}); they will expire")
+            return
 
     def _pause(self, reason: str) -> None:
         """Polite mode / `asyncrl-client pause`: no work until the machine is free again (client/polite.py)."""

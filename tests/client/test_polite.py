@@ -143,3 +143,32 @@ def test_a_pause_mid_lease_keeps_the_finished_groups_and_hands_back_the_rest(tmp
     whole = volunteer(tmp_path / "plain")
     done, unfinished, reason = whole._generate_politely(leases(4), 2, SAMPLING)
     assert whole.engine.calls == [4] and len(done) == 4 and not unfinished and reason is None  # one engine call
+
+
+class LosesFirstAnswer:
+    """A coordinator node whose first answer is lost on the way (the request may have been applied)."""
+
+    def __init__(self):
+        self.requests: list[messages.LeaseRequest] = []
+
+    def call(self, peer, name, sealed, **kw):
+        from asyncrl.protocol import envelope
+        from asyncrl.swarm.transport import TransportError
+
+        opened = envelope.open_envelope(sealed, max_bytes=1 << 20, expected_kind="lease_request",
+                                        expected_audience=Identity.from_seed(bytes(range(32))).public_key)
+        self.requests.append(messages.decode(opened.payload, messages.LeaseRequest, max_bytes=1 << 20))
+        if len(self.requests) == 1:
+            raise TransportError("IncompleteReadError: 0 bytes read")
+        return messages.encode(messages.LeaseGrant(run_id="r", leases=(), current_version=0))
+
+
+def test_a_release_whose_answer_is_lost_is_sent_once_more(tmp_path, monkeypatch):
+    from asyncrl.client import worker
+
+    monkeypatch.setattr(worker, "RELEASE_RETRY_S", 0.0)
+    vol = volunteer(tmp_path)
+    vol.node, vol.run_id, vol.serving_version = LosesFirstAnswer(), "r", 0
+    vol._release(leases(3)[1:], "the user came back")
+    assert [r.release for r in vol.node.requests] == [("l1", "l2")] * 2 and all(r.max_prompts == 0 for r in vol.node.requests)
+    assert vol.status.leases_returned == 2
