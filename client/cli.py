@@ -173,9 +173,12 @@ def show_status(data_dir: Path) -> int:
     key = data_dir / "identity.key"
     if not key.exists():
         return fail(f"no volunteer identity in {data_dir} (has this volunteer joined yet?)")
-    outbox = sorted((data_dir / "outbox").glob("*.batch")) if (data_dir / "outbox").exists() else []
+    box = data_dir / "outbox"
+    outbox = sorted([*box.glob("*.payload"), *box.glob("*.batch")]) if box.exists() else []  # (.batch: older clients)
+    quarantined = sorted((box / "quarantine").glob("*.json")) if (box / "quarantine").exists() else []
     info = {"data_dir": str(data_dir), "fingerprint": Identity.load(key).fingerprint,
-            "outbox_batches": len(outbox), "outbox_bytes": sum(p.stat().st_size for p in outbox)}
+            "outbox_batches": len(outbox), "outbox_bytes": sum(p.stat().st_size for p in outbox),
+            "outbox_quarantined": len(quarantined)}
     path = data_dir / "status.json"
     if path.exists():
         st = json.loads(path.read_text())
@@ -183,6 +186,7 @@ def show_status(data_dir: Path) -> int:
                      "last_adapter_version": (st.get("versions_loaded") or [None])[-1],
                      "adapter_versions_loaded": len(set(st.get("versions_loaded") or [])),
                      "batches_acked": st.get("batches_acked"), "batches_rejected": st.get("batches_rejected"),
+                     "batches_deferred": st.get("batches_deferred"), "batches_quarantined": st.get("batches_quarantined"),
                      "rollouts": st.get("rollouts"), "tokens": st.get("tokens")})
     from .ledger import ReceiptLedger, summarise
 
@@ -222,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
         return fail("--hold-version must be >= 0", 2)
     if args.user_idle_s < 0 or not 0 < args.idle_max_cpu <= 1 or args.max_gpu_memory_gb < 0:
         return fail("--user-idle-s and --max-gpu-memory-gb must be >= 0, --idle-max-cpu in (0, 1]", 2)
+    from asyncrl.protocol.limits import MAX_NAME_CHARS
+
+    if len(args.name) > MAX_NAME_CHARS:  # the coordinator would refuse every request carrying it
+        return fail(f"--name may hold at most {MAX_NAME_CHARS} characters (got {len(args.name)})", 2)
 
     from asyncrl.swarm.bootstrap import join_spec
     from asyncrl.swarm.transport import BadAddress, TransportError, check_reachable, parse_join_address

@@ -4,14 +4,18 @@ Components (one job each; none references this hub):
   SwarmNode    (asyncrl.swarm.transport)  hivemind DHT + P2P streams to the coordinator
   AdapterSync  watch the signed pointer, fetch + verify + decode adapter versions
   Engine       generation with per-token sampling logprobs (transformers; vLLM plugs in here)
-  Outbox       sealed batches on disk until acked
+  Outbox       batch payloads on disk until acked (client/outbox.py); sealed afresh at each upload
   ReceiptLedger (client/ledger.py) each ack's coordinator-signed receipt, verified, append-only
   LeaseSizer   (client/lease_sizing.py) prompts per lease from this machine's measured rate
   IdleWatch    (client/polite.py) --only-when-idle / `asyncrl-client pause`: pause, returning unfinished leases
   status.json  what this volunteer did (for `asyncrl-client status` and tests)
 
 Loop: poll the pointer (hot-swap a newer adapter between batches) -> lease prompts -> generate G
-completions each -> score -> seal a RolloutBatch for the coordinator -> outbox -> upload -> delete on ack.
+completions each -> score -> spool the RolloutBatch payload -> seal (fresh timestamp + nonce) -> upload
+-> delete on ack. What each answer does to a spooled batch (`UPLOAD_OUTCOMES`, docs/client.md): acked or
+duplicate -> deleted; busy / clock / deadline -> kept, the flush stops and retries later; refused after the
+coordinator read it -> deleted and counted; too large -> split by groups (or quarantined when it is one
+group); a coordinator that cannot take it at all (not admitted, other run, other schema) -> quarantined.
 
     asyncrl-client join /ip4/127.0.0.1/tcp/31337/p2p/12D3KooW...
 """
@@ -35,14 +39,34 @@ from asyncrl.swarm.streams import stream_name
 # Test-only fault injection (hivemind-style): ASYNCRL_FAULT=slow-generate:S makes each work take S seconds
 # more (a slow GPU), slow-prompt:S S seconds more per leased prompt (a slow GPU, in proportion to the
 # work: tests/integration/test_sized_leases.py); ASYNCRL_FAULT=pause-after-spool makes the volunteer stop
-# between writing a batch to the outbox and uploading it, so a test can SIGKILL it at exactly that point.
+# between writing a batch to the outbox and uploading it, so a test can SIGKILL it at exactly that point;
+# ASYNCRL_FAULT=hold-uploads makes it keep working but upload nothing while <data_dir>/HOLD_UPLOADS exists
+# (tests/integration/test_outage.py: batches spooled across an outage).
 FAULT = os.environ.get("ASYNCRL_FAULT", "")
 MAX_BACKOFF_S = 30.0
 ENGINE_FAILURE_STREAK = 3  # works in a row in which the engine served no lease at all: the engine is broken
 FOLLOW_FIRST_WAIT_S, FOLLOW_MAX_WAIT_S = 5.0, 120.0  # --follow: how often to ask for the next run
 
-# Codes after which re-sending the same bytes can never succeed: drop the spooled copy.
-FINAL_REJECTS = {c.value for c in RejectCode} - {RejectCode.RATE_LIMITED.value, RejectCode.INTERNAL.value}
+SEAL_OVERHEAD = 256  # envelope header + body framing around a payload (bytes, generous)
+MAX_INTERNAL_RETRIES = 5  # a batch the coordinator keeps failing on (INTERNAL) is quarantined after this
+
+
+def _codes(*codes: RejectCode) -> frozenset[str]:
+    return frozenset(c.value for c in codes)
+
+
+# What an upload's answer does to the spooled batch. Sealing happens at upload, so EXPIRED / NONCE_REUSED
+# only mean "try again with a fresh seal" (a clock off by more than the window: say so, keep the batch).
+RETRY_LATER = _codes(RejectCode.RATE_LIMITED, RejectCode.EXPIRED, RejectCode.NONCE_REUSED,
+                     RejectCode.DEADLINE_EXCEEDED)  # keep it; stop this flush; back off
+RETRY_BATCH = _codes(RejectCode.INTERNAL, RejectCode.UNSCORABLE)  # keep it at the back of the line; go on
+QUARANTINE = _codes(RejectCode.NOT_ALLOWED, RejectCode.UNSUPPORTED_VERSION, RejectCode.WRONG_RUN,
+                    RejectCode.WRONG_AUDIENCE)  # the coordinator could not judge it: set aside, never deleted
+SPLIT = _codes(RejectCode.PAYLOAD_TOO_LARGE)  # split by groups and re-spool; one group: quarantine
+# Everything else (STALE_VERSION, UNKNOWN_LEASE, REWARD_MISMATCH, ...) means the coordinator read the batch
+# and refused it for good: the spooled copy is deleted and the code counted.
+FINAL_REJECTS = frozenset(c.value for c in RejectCode) - RETRY_LATER - RETRY_BATCH - QUARANTINE - SPLIT - \
+    _codes(RejectCode.DUPLICATE_BATCH)
 # A lease refused with these ends the volunteer's run: asking again can never succeed.
 FINAL_LEASE_REJECTS = {RejectCode.UNSUPPORTED_VERSION, RejectCode.NOT_ALLOWED, RejectCode.TOO_SLOW}
 MAX_SIZES_KEPT = 64  # status.json keeps this many recent lease sizes
@@ -96,7 +120,11 @@ class VolunteerStatus:
     versions_loaded: list[int] = field(default_factory=list)
     batches_sent: int = 0
     batches_acked: int = 0
-    batches_rejected: dict[str, int] = field(default_factory=dict)
+    batches_rejected: dict[str, int] = field(default_factory=dict)  # refused for good (deleted), by code
+    batches_deferred: dict[str, int] = field(default_factory=dict)  # answered "later" (kept), by code
+    batches_quarantined: int = 0  # set aside in outbox/quarantine (too large, not admitted, ...)
+    batches_split: int = 0        # too large for the coordinator's cap: split by groups
+    groups_unscorable: int = 0    # our own reward check could not finish: group not sent (lease expires)
     rollouts: int = 0
     tokens: int = 0
     reward_sum: float = 0.0
@@ -126,6 +154,12 @@ class VolunteerStatus:
 
 class EngineFailed(RuntimeError):
     """The engine failed every lease of several works in a row: it is broken, not one prompt."""
+
+
+def engine_dtype(engine) -> str:
+    """The wire name of the dtype an engine computes logprobs in ("" when it does not say)."""
+    name = str(getattr(engine, "dtype", "")).replace("torch.", "")
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(name, "")
 
 
 class BaseModelMismatch(RuntimeError):
@@ -191,6 +225,10 @@ class Volunteer:
         if cfg.only_when_idle:
             self.out(f"[{self.name}] --only-when-idle: pausing while any of these say busy: "
                      + ", ".join(self.polite.detectors()))
+        self.max_batch_bytes = 0  # the coordinator's cap, from its last lease grant (0 = not known yet)
+        self._internal_failures: dict[bytes, int] = {}
+        if self.outbox.migrated:
+            self.out(f"converted {self.outbox.migrated} spooled batches from an older client to payloads")
 
     # ---- start-up ---------------------------------------------------------------------------
     def connect(self, run_id: str | None = None, timeout: float = 60.0) -> None:
@@ -318,11 +356,16 @@ class Volunteer:
                     self.status.run_finished = True
                     self._goodbye()
                     break
+                if len(self.outbox):
+                    # Spooled batches go first, every round (not only after new work: a volunteer holding
+                    # all the leases it may hold would otherwise never deliver them after an outage).
+                    self.flush()
                 if len(self.outbox) and self.outbox.size_bytes() >= self.outbox.max_bytes * 0.9:
                     # Bounded disk: stop producing until the coordinator takes what we have.
                     self.display.event("warning", f"outbox nearly full ({self.outbox.size_bytes()} bytes, cap "
                                        f"{self.outbox.max_bytes}); pausing generation until uploads succeed")
-                    self.flush()
+                    self.stop.wait(backoff)
+                    backoff = min(MAX_BACKOFF_S, backoff * 2)
                     continue
                 reason = self.polite.busy()  # --only-when-idle / `asyncrl-client pause`
                 if reason is not None:
@@ -419,6 +462,7 @@ class Volunteer:
         self.sizer.observe_grant(grant)
         if grant.leases:
             self.status.lease_sizes = (self.status.lease_sizes + [len(grant.leases)])[-MAX_SIZES_KEPT:]
+        self.max_batch_bytes = grant.max_batch_bytes or self.max_batch_bytes
         return list(grant.leases), grant.retry_after_s
 
     def _renew(self, lease_ids: list[str]) -> dict[str, float]:
@@ -577,6 +621,8 @@ class Volunteer:
             try:  # the coordinator re-scores with this same call (coordinator/ingest.py)
                 scored = tasks.score_group(prompt, texts, [s.token_ids for s in group]).rewards
             except Exception as exc:  # noqa: BLE001 - a broken reward costs its group, not the volunteer
+                if isinstance(exc, tasks.Unscorable):  # our verifier could not finish: send nothing rather than a guess
+                    self.status.groups_unscorable += 1
                 self._abandon(lease, f"reward {lease.reward!r} failed: {exc.__class__.__name__}: {str(exc)[:300]}",
                               counter="reward_errors")
                 continue
@@ -594,37 +640,120 @@ class Volunteer:
         if not groups:
             return 0
         batch = messages.RolloutBatch(run_id=self.run_id, adapter_version=version, client_name=self.name,
-                                      sampling=sampling, groups=tuple(groups), generated_at=time.time())
-        payload = messages.encode(batch)
-        sealed = envelope.seal(self.identity, "rollout_batch", payload, audience=self.coordinator_key)
-        import hashlib
-
-        self.outbox.put(hashlib.sha256(payload).digest(), sealed)
+                                      sampling=sampling, groups=tuple(groups), generated_at=time.time(),
+                                      engine_dtype=engine_dtype(self.engine))
+        spooled = self._spool(batch)
         if FAULT == "pause-after-spool":
-            (self.cfg.data_dir / "FAULT_PAUSED").write_text(hashlib.sha256(payload).hexdigest())
+            (self.cfg.data_dir / "FAULT_PAUSED").write_text(spooled[0].hex())
             while True:  # wait here to be SIGKILLed by the test
                 time.sleep(1)
         return len(groups)
 
+    def _spool(self, batch: messages.RolloutBatch) -> list[bytes]:
+        """Write `batch` to the outbox (split by groups if it would exceed the coordinator's cap)."""
+        payload = messages.encode(batch)
+        cap = self.max_batch_bytes
+        if cap and len(payload) + SEAL_OVERHEAD > cap and len(batch.groups) > 1:
+            import msgspec
+
+            half = len(batch.groups) // 2
+            self.status.batches_split += 1
+            return (self._spool(msgspec.structs.replace(batch, groups=batch.groups[:half]))
+                    + self._spool(msgspec.structs.replace(batch, groups=batch.groups[half:])))
+        batch_id = self.outbox.put(payload)
+        self.display.event("spooled", f"[{self.name}] batch {batch_id.hex()[:12]} spooled", batch_id=batch_id.hex(),
+                           groups=len(batch.groups))
+        return [batch_id]
+
     def flush(self) -> None:
-        """Upload every spooled batch; delete each only once the coordinator acked it."""
-        for batch_id, sealed in self.outbox.pending():
+        """Upload every spooled batch, oldest first, each sealed afresh; stop early when the coordinator
+        says "later" (busy, clock) and raise TransportError when it cannot be reached."""
+        for batch_id in self.outbox.pending():
+            payload = self.outbox.read(batch_id)
+            if payload is None:
+                continue
+            if not self._upload(batch_id, payload):
+                return
+
+    def _upload(self, batch_id: bytes, payload: bytes) -> bool:
+        """One upload attempt; False = stop this flush (retry later)."""
+        if FAULT == "hold-uploads" and (self.cfg.data_dir / "HOLD_UPLOADS").exists():
+            return False  # test-only: keep spooling, upload nothing until the test removes the file
+        sealed = envelope.seal(self.identity, "rollout_batch", payload, audience=self.coordinator_key)
+        try:
             raw = self.node.call(self.coordinator_peer_id, stream_name(self.run_id, streams.SUBMIT), sealed,
                                  max_response_bytes=64 * 1024)
             ack = messages.decode(raw, messages.Ack, max_bytes=64 * 1024)
-            self.status.batches_sent += 1
-            if ack.accepted:
-                self.status.batches_acked += 1
-                self._keep_receipt(batch_id, ack.receipt)  # on disk before the batch leaves the outbox
-                self.outbox.remove(batch_id)
-            else:
-                self.status.batches_rejected[ack.code or "?"] = self.status.batches_rejected.get(ack.code or "?", 0) + 1
-                if ack.code in FINAL_REJECTS:
-                    self.outbox.remove(batch_id)
-                if ack.code == RejectCode.RUN_FINISHED.value:
-                    self.status.run_finished = True  # what is still spooled can no longer be trained: dropped
-                self.display.event("rejected", f"[{self.name}] batch rejected: {ack.code} {ack.detail}",
-                                   code=ack.code)
+            code, detail, receipt = (None if ack.accepted and ack.code is None else ack.code or "?"), ack.detail, \
+                ack.receipt
+            if ack.accepted and ack.code == RejectCode.DUPLICATE_BATCH.value:
+                code = None  # the coordinator already has it (a lost ack's retry)
+        except ProtocolError as exc:  # refused by the transport before ingest: too large, busy, banned peer
+            code, detail, receipt = exc.code.value, exc.detail, b""
+        self.status.batches_sent += 1
+        return self._settle(batch_id, payload, code, detail, receipt)
+
+    def _settle(self, batch_id: bytes, payload: bytes, code: str | None, detail: str, receipt: bytes = b"") -> bool:
+        short = batch_id.hex()[:12]
+        if code is None:
+            self.status.batches_acked += 1
+            self._keep_receipt(batch_id, receipt)  # on disk before the batch leaves the outbox
+            self.outbox.remove(batch_id)
+            self._internal_failures.pop(batch_id, None)
+            self.display.event("acked", f"[{self.name}] batch {short} acked", batch_id=batch_id.hex())
+            return True
+        if code in RETRY_LATER:
+            self.status.batches_deferred[code] = self.status.batches_deferred.get(code, 0) + 1
+            hint = " (is this machine's clock right?)" if code == RejectCode.EXPIRED.value else ""
+            self.display.event("deferred", f"[{self.name}] batch {short} kept for later: {code} {detail}{hint}",
+                               code=code, batch_id=batch_id.hex())
+            return False
+        if code in RETRY_BATCH:
+            self.status.batches_deferred[code] = self.status.batches_deferred.get(code, 0) + 1
+            failures = self._internal_failures[batch_id] = self._internal_failures.get(batch_id, 0) + 1
+            if failures < MAX_INTERNAL_RETRIES:
+                self.outbox.requeue(batch_id)  # the others go first
+                return True
+            code = f"{code}x{failures}"
+        elif code in SPLIT:
+            if self._split_spooled(batch_id, payload):
+                return True
+        if code == RejectCode.RUN_FINISHED.value:
+            self.status.run_finished = True  # what is still spooled can no longer be trained: dropped, counted
+        if code in FINAL_REJECTS:
+            self.status.batches_rejected[code] = self.status.batches_rejected.get(code, 0) + 1
+            self.outbox.remove(batch_id)
+            self.display.event("rejected", f"[{self.name}] batch {short} rejected: {code} {detail}", code=code,
+                               batch_id=batch_id.hex())
+            return True
+        where = self.outbox.quarantine(batch_id, code, detail)
+        self._internal_failures.pop(batch_id, None)
+        self.status.batches_quarantined += 1
+        self.display.event("warning", f"[{self.name}] batch {short} quarantined in {where.parent} ({code} {detail}); "
+                           "the coordinator cannot take it as it is", code=code, batch_id=batch_id.hex())
+        return code != RejectCode.NOT_ALLOWED.value  # not admitted: the next batch would fare no better
+
+    def _split_spooled(self, batch_id: bytes, payload: bytes) -> bool:
+        """A spooled batch over the coordinator's cap: re-spool its groups as smaller batches (written
+        before the original is removed, so a crash in between leaves duplicates, never a loss — the
+        coordinator dedupes nothing here: it never accepted the big one). False when it is one group."""
+        try:
+            batch = messages.decode(payload, messages.RolloutBatch, max_bytes=len(payload))
+        except ProtocolError:
+            return False
+        if len(batch.groups) < 2:
+            return False
+        import msgspec
+
+        half = len(batch.groups) // 2
+        self.max_batch_bytes = min(self.max_batch_bytes or len(payload), len(payload))  # what we now know
+        for part in (batch.groups[:half], batch.groups[half:]):
+            self._spool(msgspec.structs.replace(batch, groups=part))
+        self.outbox.remove(batch_id)
+        self.status.batches_split += 1
+        self.display.event("warning", f"[{self.name}] batch {batch_id.hex()[:12]} too large for the coordinator; "
+                           "split in two", code=RejectCode.PAYLOAD_TOO_LARGE.value)
+        return True
 
     def _keep_receipt(self, batch_id: bytes, sealed: bytes) -> None:
         from asyncrl.protocol import receipts
@@ -650,8 +779,9 @@ class Volunteer:
 
         swarm = self.swarm.stats() if getattr(self, "swarm", None) is not None else None
         write_json_atomic(self.cfg.data_dir / "status.json",
-                          {**asdict(self.status), "outbox": len(self.outbox), "run_id": self.run_id, "swarm": swarm,
-                           "coordinator_peer_id": self.coordinator_peer_id})
+                          {**asdict(self.status), "outbox": len(self.outbox), "outbox_pending": [
+                              b.hex() for b in self.outbox.pending()[:256]],
+                           "run_id": self.run_id, "swarm": swarm, "coordinator_peer_id": self.coordinator_peer_id})
 
     def shutdown(self) -> None:
         if getattr(self, "swarm", None) is not None:

@@ -8,11 +8,19 @@ Owned here and nowhere else:
     shared bucket for identities seen for the first time (the Sybil brake: fresh keys are free, first
     contact is not);
   * a per-identity quota: accepted batches per rolling hour;
-  * strikes. An identity is struck only for offences that need its private key — a payload it signed
-    that lies (REWARD_MISMATCH, LOGPROB_MISMATCH, FUTURE_VERSION, MALFORMED after a valid signature).
-    Replays, expired timestamps or a foreign audience never strike the signer: anyone can replay
+  * strikes. An identity is struck only for evidence of a lie that needs its private key and that
+    honest code cannot produce: FUTURE_VERSION, MALFORMED after a valid signature, and a generation
+    audit failure the quarantine confirmed (coordinator/audit.py). Not for REWARD_MISMATCH (we train on
+    our own recomputed rewards, so the claim cannot reach a gradient; an honest volunteer can differ
+    through a verifier version or timeout of its own), not for anything our side could not finish
+    (UNSCORABLE), and never for replays, expired timestamps or a foreign audience: anyone can replay
     someone else's envelope, and strikes must not be a way to get an honest volunteer banned.
     Unattributable garbage (bad signature, undecodable envelope) strikes the transport peer instead.
+  * sender vs signer. A volunteer's peer id *is* its key, so a request whose transport peer is not the
+    signer's peer id is a copy sent by someone else (a replay, a relay of stolen bytes). Such a copy is
+    charged to the peer that sent it — its bucket, never the signer's — and once a key has had a batch
+    accepted from its own peer, copies of its requests from any other peer are refused (NOT_ALLOWED,
+    charged to that peer), so nobody can pin an honest volunteer's leases or drain its bucket.
     `max_strikes` / `peer_max_strikes` strikes ban; a ban is permanent until the operator clears it
     (bans persist in `state_bytes()`).
   * BOINC-style track record: `valid_streak(key)` = accepted batches since the identity's last strike;
@@ -42,16 +50,19 @@ from pathlib import Path
 import msgspec
 
 from asyncrl.protocol.errors import ProtocolError, RejectCode
-from asyncrl.protocol.identity import PUBLIC_KEY_BYTES, fingerprint, public_key_from_peer_id
+from asyncrl.protocol.identity import PUBLIC_KEY_BYTES, fingerprint, peer_id_from_public_key, public_key_from_peer_id
 from asyncrl.swarm.rate import TokenBucket
 
 # Offences that only the holder of the signing key can commit (the payload itself is the lie).
-IDENTITY_STRIKES = frozenset({RejectCode.REWARD_MISMATCH, RejectCode.LOGPROB_MISMATCH, RejectCode.FUTURE_VERSION,
-                              RejectCode.MALFORMED})
+IDENTITY_STRIKES = frozenset({RejectCode.LOGPROB_MISMATCH, RejectCode.FUTURE_VERSION, RejectCode.MALFORMED})
+# Suspicious but not proof (honest code can produce it): no strike, the key loses its track record
+# (audited on every batch again).
+IDENTITY_SUSPICIONS = frozenset({RejectCode.REWARD_MISMATCH})
 # Offences with no verified signer behind them: charge the (libp2p-authenticated) transport peer.
 PEER_STRIKES = frozenset({RejectCode.SIGNATURE_MISMATCH, RejectCode.MALFORMED, RejectCode.UNSUPPORTED_VERSION,
                           RejectCode.PAYLOAD_TOO_LARGE})
 MAX_TRACKED = 100_000  # identities / peers with live buckets (LRU); evicted ones start afresh
+MAX_BANNED = 100_000  # automatic bans kept (oldest forgotten first: a throwaway key banned long ago)
 HOUR_S = 3600.0
 
 
@@ -140,6 +151,8 @@ class _Identity:
     strikes: int = 0
     valid_streak: int = 0
     accepted: int = 0  # batches accepted in all (a strike does not reset it)
+    peer_id: str = ""  # the libp2p peer id of this key (its own transport identity)
+    own_peer_seen: bool = False  # a batch of this key was accepted from its own peer id
     accepted_at: deque = field(default_factory=deque)  # wall times of accepted batches in the last hour
     rate_limited: int = 0
 
@@ -149,6 +162,12 @@ class _Peer:
     bucket: TokenBucket
     strikes: int = 0
     rate_limited: int = 0
+
+
+def _charged_to_peer(code: RejectCode, detail: str) -> ProtocolError:
+    exc = ProtocolError(code, detail)
+    exc.charge_peer = True  # ingest/leasing book it against the transport peer, not the signer
+    return exc
 
 
 class _State(msgspec.Struct, forbid_unknown_fields=True):
@@ -167,12 +186,13 @@ class AccessControl:
         self._lock = threading.Lock()
         self.allowlist = KeyFile(policy.allowlist_path)
         self.banlist = KeyFile(policy.banlist_path)
-        self.banned: set[bytes] = set()          # automatic bans (identities)
-        self.banned_peers: set[str] = set()      # automatic bans (transport peers)
+        self.banned: OrderedDict[bytes, None] = OrderedDict()  # automatic bans (identities), oldest first
+        self.banned_peers: OrderedDict[str, None] = OrderedDict()  # automatic bans (transport peers), oldest first
         self._ids: OrderedDict[bytes, _Identity] = OrderedDict()
         self._peers: OrderedDict[str, _Peer] = OrderedDict()
         self._new_ids = TokenBucket(policy.new_identity_rate_per_s, policy.new_identity_burst, clock())
-        self.counters = {"not_allowed": 0, "rate_limited": 0, "new_identity_limited": 0, "bans": 0, "peer_bans": 0}
+        self.counters = {"not_allowed": 0, "rate_limited": 0, "new_identity_limited": 0, "bans": 0, "peer_bans": 0,
+                         "foreign_sent": 0, "foreign_refused": 0}
 
     # ---- checks, cheapest first -----------------------------------------------------------------
     def admit_peer(self, peer: str) -> None:
@@ -219,8 +239,10 @@ class AccessControl:
                 self.counters["not_allowed"] += 1
                 raise ProtocolError(RejectCode.NOT_ALLOWED, "identity banned or not on the allowlist")
 
-    def admit_identity(self, key: bytes) -> None:
-        """After the signature verified: per-identity rate, first-contact rate, hourly quota."""
+    def admit_identity(self, key: bytes, peer: str = "") -> None:
+        """After the signature verified: per-identity rate, first-contact rate, hourly quota. A request
+        sent by another peer than the key's own is charged to that peer (see the module docstring); a
+        refusal of such a copy carries `charge_peer = True` so that ingest books it against the peer."""
         with self._lock:
             now = self._clock()
             rec = self._ids.get(key)
@@ -232,7 +254,15 @@ class AccessControl:
                 rec = self._identity(key)
             else:
                 self._ids.move_to_end(key)
-            if not rec.bucket.take(now):
+            if peer and peer != rec.peer_id:
+                self.counters["foreign_sent"] += 1
+                if rec.own_peer_seen:
+                    self.counters["foreign_refused"] += 1
+                    raise _charged_to_peer(RejectCode.NOT_ALLOWED, "sent by another peer than its signer")
+                if not self._peer(peer).bucket.take(now):
+                    self.counters["rate_limited"] += 1
+                    raise _charged_to_peer(RejectCode.RATE_LIMITED, "too many requests from this peer")
+            elif not rec.bucket.take(now):
                 rec.rate_limited += 1
                 self.counters["rate_limited"] += 1
                 raise ProtocolError(RejectCode.RATE_LIMITED, "too many requests from this identity")
@@ -247,11 +277,13 @@ class AccessControl:
                     raise ProtocolError(RejectCode.RATE_LIMITED, f"quota of {quota} batches per hour reached")
 
     # ---- outcomes ---------------------------------------------------------------------------------
-    def record_accepted(self, key: bytes) -> None:
+    def record_accepted(self, key: bytes, peer: str = "") -> None:
         with self._lock:
             rec = self._identity(key)
             rec.valid_streak += 1
             rec.accepted += 1
+            if peer and peer == rec.peer_id:
+                rec.own_peer_seen = True
             if self.policy.batches_per_hour:
                 rec.accepted_at.append(self._wall())
 
@@ -260,18 +292,21 @@ class AccessControl:
             rec = self._ids.get(key)
             return rec.valid_streak if rec is not None else 0
 
-    def on_reject(self, code: RejectCode, *, signer: bytes | None, peer: str = "") -> bool:
-        """Strike whoever is accountable for a rejected request; True when that caused a ban."""
+    def on_reject(self, code: RejectCode, *, signer: bytes | None, peer: str = "", strike: bool = True) -> bool:
+        """Strike whoever is accountable for a rejected request; True when that caused a ban. `strike=False`
+        (a first failed audit: quarantine, coordinator/audit_policy.py) only resets the key's track record."""
         code = RejectCode(code)
         with self._lock:
             if signer is not None:
-                if code not in IDENTITY_STRIKES:
+                if code in IDENTITY_SUSPICIONS or (code in IDENTITY_STRIKES and not strike):
+                    self._identity(signer).valid_streak = 0
+                if code not in IDENTITY_STRIKES or not strike:
                     return False
                 rec = self._identity(signer)
                 rec.strikes += 1
                 rec.valid_streak = 0  # back to "no track record": audited every time
                 if rec.strikes >= self.policy.max_strikes and signer not in self.banned:
-                    self.banned.add(signer)
+                    self._ban(signer)
                     self.counters["bans"] += 1
                     return True
                 return False
@@ -279,7 +314,7 @@ class AccessControl:
                 rec = self._peer(peer)
                 rec.strikes += 1
                 if rec.strikes >= self.policy.peer_max_strikes and peer not in self.banned_peers:
-                    self.banned_peers.add(peer)
+                    self._ban(peer, self.banned_peers)
                     self.counters["peer_bans"] += 1
                     return True
             return False
@@ -294,11 +329,18 @@ class AccessControl:
             return key in self.banned or key in self.banlist
 
     # ---- bookkeeping ------------------------------------------------------------------------------
+    def _ban(self, key, table: OrderedDict | None = None) -> None:
+        table = self.banned if table is None else table
+        table[key] = None
+        while len(table) > MAX_BANNED:
+            table.popitem(last=False)
+
     def _identity(self, key: bytes) -> _Identity:
         rec = self._ids.get(key)
         if rec is None:
             p = self.policy
-            rec = self._ids[key] = _Identity(TokenBucket(p.identity_rate_per_s, p.identity_burst, self._clock()))
+            rec = self._ids[key] = _Identity(TokenBucket(p.identity_rate_per_s, p.identity_burst, self._clock()),
+                                             peer_id=peer_id_from_public_key(key))
             while len(self._ids) > MAX_TRACKED:
                 self._ids.popitem(last=False)
         else:
@@ -350,8 +392,10 @@ class AccessControl:
         except Exception as exc:
             raise ProtocolError(RejectCode.MALFORMED, f"access state: {exc}") from None
         with self._lock:
-            self.banned |= set(state.banned)
-            self.banned_peers |= set(state.banned_peers)
+            for key in state.banned:
+                self._ban(key)
+            for peer in state.banned_peers:
+                self._ban(peer, self.banned_peers)
             for key, n in strikes.items():
                 if len(key) == PUBLIC_KEY_BYTES and n > 0 and math.isfinite(n):
                     self._identity(key).strikes = n

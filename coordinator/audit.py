@@ -11,7 +11,9 @@ Who is audited (BOINC adaptive replication): an identity with n accepted batches
 strike is audited with probability max(`floor`, 1/n); with n == 0 (no track record) always.
 
 How, cheapest first:
-  * claimed version == the learner's current version: the check is deferred to train time on the
+  * claimed version == the learner's current version, on a learner that takes the hook (not DDP, whose
+    ranks each see a slice: there every batch is checked at ingest on the shadow, as below): the check is
+    deferred to train time on the
     learner's own model (`train_hook`, called by `Learner.step` with the log-probs of a no-grad pass over
     the audited groups, before the step's first micro-batch): a failing batch is dropped before any
     gradient exists and the step trains the rest (cost: one forward of the audited rows).
@@ -25,7 +27,17 @@ How, cheapest first:
     loaded with that version's published (bf16) LoRA tensors — exactly what volunteers serve — under
     torch.no_grad. The verdict goes back in the ack.
   * claimed version older than max_staleness: not audited — the learner drops it unread;
-    one not held for another reason (max_staleness None and older than the versions kept): STALE_VERSION.
+    one older than the versions kept (max_staleness None): STALE_VERSION.
+
+The published tensors of the versions kept are also on disk (`<run_dir>/audit_versions/`, written on the
+publisher thread before the version is servable), and `--resume` loads them back: batches a volunteer
+spooled through a coordinator restart, and journalled batches whose train-time audit was pending at a
+crash, are audited against the very version they claim — never dropped for our restart, never trained
+unaudited. A version inside the kept window that is nonetheless missing (its file was lost) cannot be
+checked: the batch is accepted unaudited and counted (`unavailable`), since the loss is ours.
+
+What a miss costs (tolerance per engine dtype, calibrated at start-up; quarantine before strikes):
+coordinator/audit_policy.py.
 
 The statistic (`mismatch`): the worst completion's mean |claimed - recomputed| logprob per token.
 Per-completion (not per-batch) so that one forged completion among 64 honest ones is not averaged
@@ -40,6 +52,7 @@ import random
 import threading
 import time
 from collections import OrderedDict
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -47,9 +60,12 @@ import torch
 from asyncrl.models.logprobs import CompletionScorer
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 
+from .audit_policy import AuditPolicy
+from .learner import TrainGroup
 from .learner import completion_logprobs as learner_logprobs
 
 DEFAULT_TOLERANCE = 0.01  # see docs/SECURITY.md: honest max 6e-4, attacks >= 1.5e-2 (tiny model)
+MAX_PENDING = 65536       # deferred audits remembered (far more than the learner queue holds)
 
 
 def shadow_model(model):
@@ -75,11 +91,16 @@ def completion_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return learner_logprobs(model, batch).cpu()
 
 
+def per_completion(recomputed: torch.Tensor, claimed: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each completion's mean |claimed - recomputed| logprob per token (rows = completions)."""
+    mask = mask.to(torch.float32).cpu()
+    diff = (recomputed.detach().float().cpu() - claimed.detach().float().cpu()).abs() * mask
+    return diff.sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+
+
 def mismatch(recomputed: torch.Tensor, claimed: torch.Tensor, mask: torch.Tensor) -> float:
     """The worst completion's mean |claimed - recomputed| logprob per token (rows = completions)."""
-    mask = mask.to(torch.float32)
-    diff = (recomputed.detach().float().cpu() - claimed.float().cpu()).abs() * mask
-    per_row = diff.sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+    per_row = per_completion(recomputed, claimed, mask)
     return float(per_row.max()) if per_row.numel() else 0.0
 
 
@@ -88,16 +109,17 @@ class Auditor:
 
     def __init__(self, learner, *, tolerance: float = DEFAULT_TOLERANCE, floor: float = 0.05,
                  keep_versions: int = 5, seed: int = 0, enabled: bool = True, lora_dropout: float = 0.0,
-                 max_staleness: int | None = None,
-                 on_verdict: Callable[[bytes, bytes, RejectCode | None, str], None] | None = None):
+                 max_staleness: int | None = None, store_dir: Path | None = None, policy: AuditPolicy | None = None,
+                 on_verdict: Callable[..., None] | None = None):
         self.learner = learner
-        self.tolerance = tolerance
+        self.policy = policy or AuditPolicy(tolerance)
         self.floor = floor
         self.keep_versions = max(1, keep_versions)
         self.enabled = enabled
         self.max_staleness = max_staleness  # batches older than this are dropped by the learner: no audit needed
         self.reuse_learner_pass = lora_dropout == 0.0  # a train-mode forward with dropout is not the policy
-        self.on_verdict = on_verdict  # (batch_id, signer, code or None on pass, stage)
+        self.on_verdict = on_verdict  # (batch_id, signer, code or None on pass, stage, strike=bool)
+        self.store_dir = Path(store_dir) if store_dir is not None else None  # published tensors on disk
         self.model = shadow_model(learner.model) if enabled else None
         self.scorer = CompletionScorer(self.model) if enabled else None  # models/logprobs.py, as the learner
         self._rng = random.Random(seed)
@@ -105,23 +127,36 @@ class Auditor:
         self._versions: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
         self._published_step: dict[int, int] = {}  # version -> learner.steps when it was published
         self._loaded: int | None = None
-        self._pending: dict[bytes, bytes] = {}      # deferred batch id -> signer
+        # deferred batch id -> (signer, engine dtype); bounded: a batch the learner drops as stale before its
+        # forward pass never reaches the hook, so its entry would otherwise stay forever
+        self._pending: OrderedDict[bytes, tuple[bytes, str]] = OrderedDict()
         self.stats = {"audited": 0, "deferred": 0, "passed": 0, "failed": 0, "reused_learner_pass": 0,
                       "shadow_confirms": 0, "shadow_passes": 0, "skipped": 0, "seconds_ingest": 0.0,
-                      "seconds_train": 0.0, "learner_seconds": 0.0, "max_passing_mismatch": 0.0}
+                      "seconds_train": 0.0, "learner_seconds": 0.0, "max_passing_mismatch": 0.0, "unavailable": 0,
+                      "reloaded_versions": 0}
 
     @classmethod
     def from_config(cls, cfg, learner) -> "Auditor":
         keep = (cfg.max_staleness + 1) if cfg.max_staleness is not None else 8
         return cls(learner, tolerance=cfg.audit_tolerance, floor=cfg.audit_floor, keep_versions=keep,
                    seed=cfg.seed, lora_dropout=cfg.lora_dropout, max_staleness=cfg.max_staleness,
-                   enabled=cfg.audit and not getattr(learner, "sharded", False))  # FSDP: a shadow pass needs every rank
+                   enabled=cfg.audit and not getattr(learner, "sharded", False),  # FSDP: a shadow pass needs every rank
+                   store_dir=Path(cfg.run_dir) / "audit_versions", policy=AuditPolicy.from_config(cfg))
+
+    @property
+    def tolerance(self) -> float:
+        """The base tolerance (fp32 engines); per-dtype ones: `policy.tolerance(dtype)`."""
+        return self.policy.base
 
     def attach(self, ingest) -> None:
         """Wire the two ends: ingest calls `check`, the learner calls `train_hook`, verdicts go to ingest."""
         self.on_verdict = ingest.audit_verdict
         if self.enabled:
             self.learner.audit_hook = self.train_hook
+            if self.learner.audit_hook is None:
+                # The learner takes no hook (DDP: each rank sees only its slice of the step). Then nothing
+                # may be deferred to its pass: current-version batches are audited at ingest on the shadow.
+                self.reuse_learner_pass = False
 
     # ---- adapter history --------------------------------------------------------------------------
     def remember_published(self, version: int, specs, blobs: dict[str, bytes], learner_steps: int) -> None:
@@ -132,31 +167,85 @@ class Auditor:
             self.remember(version, tensors_from_bytes(specs, blobs), learner_steps)
 
     def remember(self, version: int, tensors: dict[str, torch.Tensor], learner_steps: int) -> None:
-        """Keep a published version's LoRA tensors (published dtype) for later audits."""
+        """Keep a published version's LoRA tensors (published dtype) for later audits, in memory and on disk."""
         if not self.enabled:
             return
+        kept = {k: v.detach().clone() for k, v in tensors.items()}
         with self._lock:
-            self._versions[version] = {k: v.detach().clone() for k, v in tensors.items()}
+            self._versions[version] = kept
             self._published_step[version] = learner_steps
             while len(self._versions) > self.keep_versions:
                 old, _ = self._versions.popitem(last=False)
                 self._published_step.pop(old, None)
                 if self._loaded == old:
                     self._loaded = None
+            held = set(self._versions)
+        self._persist(version, kept, held)
+
+    def _persist(self, version: int, tensors: dict[str, torch.Tensor], held: set[int]) -> None:
+        if self.store_dir is None:
+            return
+        from safetensors.torch import save
+
+        from asyncrl.protocol.atomic import write_atomic
+
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.store_dir / f"v{version:010d}.safetensors",
+                     save({k: v.contiguous() for k, v in tensors.items()}))
+        for path in self.store_dir.glob("v*.safetensors"):
+            try:
+                if int(path.stem[1:]) not in held:
+                    path.unlink(missing_ok=True)
+            except ValueError:
+                continue
+
+    def load_persisted(self) -> int:
+        """`--resume`: load the versions kept on disk. They never count as the learner's current weights
+        (a resumed learner's step counter may meet a pre-crash one), so they are checked on the shadow."""
+        if not self.enabled or self.store_dir is None or not self.store_dir.exists():
+            return 0
+        from safetensors.torch import load_file
+
+        paths = sorted(self.store_dir.glob("v*.safetensors"))[-self.keep_versions:]
+        n = 0
+        with self._lock:
+            for path in paths:
+                try:
+                    version = int(path.stem[1:])
+                    self._versions[version] = load_file(str(path))
+                except (ValueError, OSError, RuntimeError):
+                    continue  # a torn or foreign file: that version counts as unavailable
+                self._published_step[version] = -1
+                n += 1
+            self._versions = OrderedDict(sorted(self._versions.items()))
+        self.stats["reloaded_versions"] += n
+        return n
+
+    def expect(self, batch_id: bytes, signer: bytes, engine_dtype: str = "") -> None:
+        """A journal replay: a batch whose train-time audit was pending at the crash (its groups carry the
+        flag) — remember whom to credit or strike when the learner's pass checks it."""
+        with self._lock:
+            self._pending[batch_id] = (signer, engine_dtype)
+
+    def _unavailable(self, version: int, current_version: int) -> bool:
+        """A version we should hold (inside the kept window) but do not: our loss, not the sender's."""
+        return current_version - version < self.keep_versions
 
     def held_versions(self) -> list[int]:
         with self._lock:
             return list(self._versions)
 
     # ---- ingest-time --------------------------------------------------------------------------------
-    def probability(self, valid_streak: int) -> float:
+    def probability(self, valid_streak: int, signer: bytes | None = None) -> float:
+        if signer is not None and self.policy.in_quarantine(signer):
+            return 1.0  # quarantine: every batch is audited until enough pass (coordinator/audit_policy.py)
         return 1.0 if valid_streak <= 0 else max(self.floor, 1.0 / valid_streak)
 
     def check(self, signer: bytes, batch_id: bytes, version: int, groups, *, valid_streak: int,
-              current_version: int) -> str:
+              current_version: int, engine_dtype: str = "") -> str:
         """Audit (or schedule an audit of) a batch at ingest. Returns "skipped", "stale", "deferred" or
         "passed"; raises ProtocolError(LOGPROB_MISMATCH | STALE_VERSION)."""
-        if not self.enabled or self._rng.random() >= self.probability(valid_streak):
+        if not self.enabled or self._rng.random() >= self.probability(valid_streak, signer):
             self.stats["skipped"] += 1
             return "skipped"
         if self.max_staleness is not None and current_version - version > self.max_staleness:
@@ -167,15 +256,22 @@ class Auditor:
             for g in groups:
                 g.batch_id, g.audit = batch_id, True
             with self._lock:
-                self._pending[batch_id] = signer
+                self._pending[batch_id] = (signer, engine_dtype)
+                while len(self._pending) > MAX_PENDING:
+                    self._pending.popitem(last=False)
             self.stats["deferred"] += 1
             return "deferred"
         t0 = time.perf_counter()
         try:
             stat = self._shadow_mismatch(groups, version)
+        except ProtocolError as exc:
+            if exc.code is RejectCode.STALE_VERSION and self._unavailable(version, current_version):
+                self.stats["unavailable"] += 1
+                return "unavailable"
+            raise
         finally:
             self.stats["seconds_ingest"] += time.perf_counter() - t0
-        self._judge(stat, batch_id, signer, "ingest", raise_on_fail=True)
+        self._judge(stat, batch_id, signer, "ingest", raise_on_fail=True, engine_dtype=engine_dtype)
         return "passed"
 
     # ---- train-time ---------------------------------------------------------------------------------
@@ -211,20 +307,26 @@ class Auditor:
                         stat = self._shadow_mismatch([groups[i] for i in idxs], version)
                 else:
                     stat = self._shadow_mismatch([groups[i] for i in idxs], version)
-                code = None if stat <= self.tolerance else RejectCode.LOGPROB_MISMATCH
-            except ProtocolError as exc:  # version no longer held
+                code = None
+            except ProtocolError as exc:  # version not held
                 stat, code = float("inf"), exc.code
+                if self._unavailable(version, self.learner.version):  # our loss: trained, counted
+                    self.stats["unavailable"] += 1
+                    stat, code = None, None
             for i in idxs:
                 groups[i].audit = False
             with self._lock:
-                signer = self._pending.pop(batch_id, b"")
+                signer, engine_dtype = self._pending.pop(batch_id, (b"", ""))
+            if stat is None:
+                continue
             if code is None:
-                self._judge(stat, batch_id, signer, "train", raise_on_fail=False)
+                if not self._judge(stat, batch_id, signer, "train", raise_on_fail=False, engine_dtype=engine_dtype):
+                    rejected.add(batch_id)
             else:
                 self.stats["failed"] += 1
                 rejected.add(batch_id)
                 if self.on_verdict is not None:
-                    self.on_verdict(batch_id, signer, code, "train")
+                    self.on_verdict(batch_id, signer, code, "train", strike=False)  # our retention, not a lie
         self.stats["seconds_train"] += time.perf_counter() - t0
         return rejected
 
@@ -257,24 +359,85 @@ class Auditor:
         recomputed, batch = self.shadow_logprobs(groups, version)
         return mismatch(recomputed, batch["sampling_logps"], batch["mask"])
 
-    def _judge(self, stat: float, batch_id: bytes, signer: bytes, stage: str, *, raise_on_fail: bool) -> None:
-        if stat <= self.tolerance:
+    def _judge(self, stat: float, batch_id: bytes, signer: bytes, stage: str, *, raise_on_fail: bool,
+               engine_dtype: str = "") -> bool:
+        """Apply the policy (tolerance for the batch's engine dtype; quarantine before strikes). True = pass.
+        A miss raises (ingest: the code goes in the ack) or reports through `on_verdict` (train time)."""
+        j = self.policy.judge(signer, stat, engine_dtype) if signer else self.policy.judge(b"?", stat, engine_dtype)
+        if j.ok:
             self.stats["passed"] += 1
             self.stats["max_passing_mismatch"] = max(self.stats["max_passing_mismatch"], stat)
             if self.on_verdict is not None:
                 self.on_verdict(batch_id, signer, None, stage)
-            return
+            return True
         self.stats["failed"] += 1
+        verdict = "struck" if j.strike else "quarantined, no strike"
         err = ProtocolError(RejectCode.LOGPROB_MISMATCH,
-                            f"worst completion differs by {stat:.2e} nats/token (tolerance {self.tolerance:.1e})")
+                            f"worst completion differs by {stat:.2e} nats/token (tolerance {j.tolerance:.1e}; {verdict})")
+        err.strike = j.strike
         if raise_on_fail:
             raise err
         if self.on_verdict is not None:
-            self.on_verdict(batch_id, signer, RejectCode.LOGPROB_MISMATCH, stage)
+            self.on_verdict(batch_id, signer, RejectCode.LOGPROB_MISMATCH, stage, strike=j.strike)
+        return False
+
+    # ---- start-up calibration (coordinator/audit_policy.py) ----------------------------------------
+    @torch.no_grad()
+    def calibrate(self, tensors: dict[str, torch.Tensor], prompts: list[list[int]], *, temperature: float,
+                  max_new_tokens: int, group_size: int = 8, dtypes=("bf16", "fp16"), seed: int = 0) -> dict:
+        """Measure how far honest engines in each of `dtypes` land from this audit's own numbers, on
+        completions sampled from the policy `tensors` (the version the swarm starts with), and set the
+        policy's tolerance for each. Returns the policy's status."""
+        if not self.enabled or not prompts:
+            return self.policy.status()
+        from asyncrl.models.lora import load_lora
+
+        t0 = time.perf_counter()
+        device = next(self.model.parameters()).device
+        with self._lock:
+            load_lora(self.model, tensors)
+            self._loaded = None  # the shadow now holds the calibration adapter, not a kept version
+            groups = self._sample(prompts, temperature=temperature, max_new_tokens=max_new_tokens,
+                                  group_size=group_size, seed=seed)
+            ours, mask = self.learner.score_groups(groups, model=self.scorer)  # the audit's own path
+            for dtype in dtypes:
+                torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+                try:
+                    with torch.autocast(device_type=device.type, dtype=torch_dtype):
+                        engine, _ = self.learner.score_groups(groups, model=self.scorer)  # an engine in that dtype
+                except (RuntimeError, TypeError) as exc:  # autocast cannot emulate it here: keep the loosest
+                    self.policy.calibration[dtype] = {"error": str(exc)[:200]}
+                    continue
+                self.policy.set_calibrated(dtype, per_completion(ours, engine, mask).tolist())
+        self.policy.calibration["seconds"] = time.perf_counter() - t0
+        self.policy.calibration["completions"] = int(mask.shape[0])
+        return self.policy.status()
+
+    def _sample(self, prompts, *, temperature: float, max_new_tokens: int, group_size: int, seed: int):
+        """Honest completions from the shadow model (HF generate, sampling), as TrainGroups."""
+        tok = self.learner.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        stop = {t for t in (tok.eos_token_id, pad) if t is not None}
+        torch.manual_seed(seed)
+        device = next(self.model.parameters()).device
+        groups = []
+        for ids in prompts:
+            inp = torch.tensor([ids], device=device)
+            out = self.model.generate(input_ids=inp, attention_mask=torch.ones_like(inp), do_sample=True,
+                                      temperature=temperature, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
+                                      num_return_sequences=group_size, pad_token_id=pad)
+            comps = []
+            for row in out[:, len(ids):].tolist():
+                cut = next((i for i, t in enumerate(row) if t in stop), len(row))
+                comps.append(row[:max(1, cut)])
+            groups.append(TrainGroup(list(ids), comps, [[0.0] * len(c) for c in comps], [0.0] * len(comps),
+                                     version=-1, temperature=temperature))
+        return groups
 
     def status(self) -> dict:
         s = dict(self.stats)
         s["tolerance"] = self.tolerance
+        s["policy"] = self.policy.status()
         s["floor"] = self.floor
         s["held_versions"] = self.held_versions()
         learner_s = s["learner_seconds"]

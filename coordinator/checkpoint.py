@@ -13,7 +13,7 @@ the components the hub hands in (this module never imports the hub). A checkpoin
                                `PeftModel.from_pretrained` and vLLM's LoRARequest load (coordinator/export.py)
         optimizer.safetensors  AdamW state tensors ("state.<param index>.<key>")
         rng.safetensors        torch (and CUDA) RNG states
-        seen_ids.bin           every accepted batch id (32 bytes each) -> DUPLICATE_BATCH after resume
+        seen_ids.bin           the ids of the batches in the ingest journal at snapshot time (32 bytes each)
         pending_ids.bin        accepted but not yet trained at snapshot time (re-queued from the journal)
         replay_guard.msgpack   protocol.envelope.ReplayGuard state (nonces stay single-use)
 
@@ -30,10 +30,13 @@ published after the last checkpoint. A resumed run publishes `max(checkpoint, li
 as a keyframe (the codec's delta state is not carried over), so versions strictly increase and every
 volunteer can decode it.
 
-Exactly-once across a crash (with coordinator/journal.py): batches trained as of the checkpoint are in
-`seen_ids` minus `pending_ids` and are refused as duplicates; batches acked after it are re-queued
+Exactly-once across a crash (with coordinator/journal.py): journalled batches trained as of the
+checkpoint are `seen_ids` minus `pending_ids` and are not replayed; batches acked after it are re-queued
 from the journal and their leases settled on the restored board; a batch whose lease was granted after
-the checkpoint and never accepted gets UNKNOWN_LEASE (its prompt is handed out again).
+the checkpoint and never accepted gets UNKNOWN_LEASE (its prompt is handed out again). Every accepted id
+(DUPLICATE_BATCH after resume) is in `<run_dir>/seen_ids.log`, appended incrementally by the trust-state
+thread (coordinator/ingest_books.py), plus the journal's own ids — so a checkpoint never copies the
+whole seen set, whatever the run's length.
 """
 
 from __future__ import annotations
@@ -284,18 +287,19 @@ def identity_meta(*, run_id: str, base_model: str, base_revision: str, lora) -> 
 
 
 def save(checkpointer: Checkpointer, *, gate: Gate, learner, board, ingest, identity: dict,
-         extra: dict | None = None, held=None, export: AdapterExport | None = None) -> Path:
+         extra: dict | None = None, held=None, export: AdapterExport | None = None, journal=None) -> Path:
     """Snapshot everything (handlers held off only while copying in memory), then write it. `held()`:
     accepted batches the learner loop holds outside the ingest queue (the --sync round's)."""
     with gate.closed():
         with ingest.lock:
-            seen = set(ingest.seen)
-            guard = ingest.replay.to_bytes()
+            guard = ingest.replay.snapshot()
             clients = _client_stats(ingest)
         with ingest.queue.mutex:
             pending = {item.batch_id for item in ingest.queue.queue}
         pending |= {item.batch_id for item in (held() if held is not None else ())}
+        seen = (journal.ids() if journal is not None else set()) | pending
         board_state = board.state()
+    guard = ingest.replay.encode_snapshot(guard)
     adapter = {n: p.detach().to("cpu", torch.float32).clone() for n, p in learner.model.named_parameters()
                if p.requires_grad}
     opt_meta, opt_tensors = _optimizer_state(learner.optimizer)
@@ -337,24 +341,28 @@ def restore_learner(ckpt: Checkpoint, learner) -> None:
     learner.version = int(ckpt.meta["version"])
 
 
-def restore(ckpt: Checkpoint, *, learner, board, ingest, journal, run_dir: Path) -> dict:
-    """Bring every component back to the checkpoint, then replay the journal. Returns what happened."""
+def restore(ckpt: Checkpoint, *, learner, board, ingest, journal, run_dir: Path, auditor=None) -> dict:
+    """Bring every component back to the checkpoint, then replay the journal. Returns what happened.
+    With `auditor`: the published versions kept on disk come back first, and a replayed batch whose
+    train-time audit was pending is checked by the learner's pass against the version it claims."""
     from asyncrl.protocol.envelope import ReplayGuard
 
     from .ingest import AcceptedBatch, ClientStats
 
     restore_learner(ckpt, learner)
+    reloaded = auditor.load_persisted() if auditor is not None else 0
     board.restore(ckpt.meta["board"])
     seen, pending = ckpt.ids("seen_ids"), ckpt.ids("pending_ids")
     trained = seen - pending
-    replayed = settled = 0
+    replayed = settled = audits_pending = 0
     with ingest.lock:
         ingest.replay = ReplayGuard.from_bytes((ckpt.path / "replay_guard.msgpack").read_bytes())
-        ingest.clients = {c["key"]: ClientStats(name=c["name"], fingerprint=c["fingerprint"], accepted=c["accepted"],
-                                                rejected=dict(c["rejected"]), resent=c.get("resent", 0),
-                                                last_version=c["last_version"],
-                                                last_seen=c["last_seen"]) for c in ckpt.meta["clients"]}
-        ingest.seen = set(seen)
+        ingest.clients.replace([ClientStats(name=c["name"], fingerprint=c["fingerprint"], accepted=c["accepted"],
+                                            rejected=dict(c["rejected"]), resent=c.get("resent", 0),
+                                            last_version=c["last_version"],
+                                            last_seen=c["last_seen"]) for c in ckpt.meta["clients"]])
+        ingest.seen.load()  # every id accepted before the crash (<run_dir>/seen_ids.log)
+        ingest.seen.update(seen)
     for entry in journal.entries():
         if entry.batch_id in trained:
             continue
@@ -363,7 +371,11 @@ def restore(ckpt: Checkpoint, *, learner, board, ingest, journal, run_dir: Path)
                 board.settle_replayed(prompt_id)
             settled += 1
         item = AcceptedBatch(entry.batch_id, entry.client, list(entry.groups), entry.reward_mean, entry.version,
-                             entry.received_at, signer=entry.signer, prompt_ids=tuple(entry.prompt_ids))
+                             entry.received_at, signer=entry.signer, prompt_ids=tuple(entry.prompt_ids),
+                             signer_key=entry.signer_key, engine_dtype=entry.engine_dtype)
+        if auditor is not None and any(g.audit for g in item.groups):
+            auditor.expect(entry.batch_id, entry.signer_key, entry.engine_dtype)  # the flag is journalled; the audit still happens
+            audits_pending += 1
         ingest.queue.put_nowait(item)
         with ingest.lock:
             ingest.seen.add(entry.batch_id)
@@ -374,6 +386,7 @@ def restore(ckpt: Checkpoint, *, learner, board, ingest, journal, run_dir: Path)
     learner.version = max(learner.version, published if published is not None else -1) + 1
     return {"from_step": learner.steps, "checkpoint": ckpt.path.name, "version": learner.version,
             "replayed_batches": replayed, "settled_after_checkpoint": settled,
+            "audits_pending_replayed": audits_pending, "audit_versions_reloaded": reloaded,
             "checkpoint_version": int(ckpt.meta["version"]), "last_published_before": published}
 
 
@@ -382,8 +395,10 @@ class Checkpointing:
     (SIGTERM/SIGINT and max_steps both end the learner loop, so both get a checkpoint)."""
 
     def __init__(self, run_dir: Path, *, every: int, keep: int, gate: Gate, learner, board, ingest, journal,
-                 identity: dict, resume: bool = True, held=None, out=print, export: AdapterExport | None = None):
+                 identity: dict, resume: bool = True, held=None, auditor=None, out=print,
+                 export: AdapterExport | None = None):
         self.run_dir = Path(run_dir)
+        self.auditor = auditor
         if not resume:
             self._archive_previous(journal, out)
         self.every = every
@@ -402,12 +417,15 @@ class Checkpointing:
         """A fresh run in a run_dir that holds another lineage's checkpoints or journal: move them aside
         (never delete them), so neither a later --resume nor the journal replay mixes the two runs."""
         old_ckpts = self.run_dir / "checkpoints"
-        if not (any(old_ckpts.glob(f"{PREFIX}*")) or len(journal)):
+        audit_copies = self.run_dir / "audit_versions"  # another lineage's version numbers: never audit against them
+        if not (any(old_ckpts.glob(f"{PREFIX}*")) or len(journal) or any(audit_copies.glob("*"))):
             return
         archive = self.run_dir / f"replaced-{time.time_ns()}"
         archive.mkdir()
         if old_ckpts.exists():
             os.rename(old_ckpts, archive / "checkpoints")
+        if audit_copies.exists():
+            os.rename(audit_copies, archive / "audit_versions")
         os.rename(journal.path, archive / "journal")
         journal.path.mkdir()
         out(f"warning: starting a fresh run (no --resume); the previous checkpoints and journal were moved to {archive}")
@@ -418,7 +436,7 @@ class Checkpointing:
             raise CheckpointError(f"--resume: no checkpoint in {self.store.root}")
         check_identity(ckpt, self.identity)
         info = restore(ckpt, learner=self.learner, board=self.board, ingest=self.ingest, journal=self.journal,
-                       run_dir=self.run_dir)
+                       run_dir=self.run_dir, auditor=self.auditor)
         self._covered = ckpt.trained_ids
         self.last_step = self.learner.steps
         return info
@@ -426,7 +444,7 @@ class Checkpointing:
     def save(self) -> Path:
         t0 = time.perf_counter()
         path = save(self.store, gate=self.gate, learner=self.learner, board=self.board, ingest=self.ingest,
-                    identity=self.identity, held=self.held, export=self.export)
+                    identity=self.identity, held=self.held, export=self.export, journal=self.journal)
         # Journal entries the *older* retained checkpoint already covers can go: resuming from either
         # retained checkpoint never needs them.
         self.journal.discard_trained(self._covered)

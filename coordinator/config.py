@@ -281,8 +281,17 @@ class CoordinatorConfig:
     """A key with n accepted batches since its last strike is audited with probability max(audit_floor, 1/n)
     (always when n == 0); 1.0 audits every batch."""
     audit_tolerance: float = 0.01
-    """Reject when the worst completion's mean |claimed - recomputed| logprob per token exceeds this;
-    calibrated by bench/audit_calibration.py (docs/SECURITY.md)."""
+    """Reject when the worst completion's mean |claimed - recomputed| logprob per token exceeds this, for
+    fp32 engines (bench/audit_calibration.py); the floor of the calibrated bf16/fp16 tolerances."""
+    audit_calibrate: bool = True
+    """At start-up, measure how far honest bf16/fp16 engines land from the audit's numbers on samples of
+    the current policy, and set their tolerance to max(audit_tolerance, audit_margin x the worst)."""
+    audit_margin: float = 3.0
+    """Calibrated tolerance = this many times the worst honest completion measured."""
+    audit_quarantine_passes: int = 8
+    """After a failed audit a key is audited on every batch until this many in a row pass (quarantine)."""
+    audit_quarantine_strikes: int = 3
+    """Failed audits inside one quarantine that earn a strike (a gross miss strikes at once)."""
     trust_state_every_s: float = 2.0
     """Write <run_dir>/trust.json and replay.bin (nonces, batch ids, bans) this often."""
 
@@ -358,6 +367,9 @@ class CoordinatorConfig:
             (self.max_strikes >= 1 and self.peer_max_strikes >= 1, "max_strikes and peer_max_strikes must be >= 1"),
             (0.0 <= self.audit_floor <= 1.0, "audit_floor must be in [0, 1]"),
             (self.audit_tolerance > 0, "audit_tolerance must be > 0"),
+            (self.audit_margin >= 1.0, "audit_margin must be >= 1"),
+            (self.audit_quarantine_passes >= 1 and self.audit_quarantine_strikes >= 1,
+             "audit_quarantine_passes and audit_quarantine_strikes must be >= 1"),
             (self.trust_state_every_s > 0, "trust_state_every_s must be > 0"),
             (self.run_id.replace("-", "").replace("_", "").isalnum(), "run_id may hold letters, digits, - and _"),
             (_bad_peer_address(self.initial_peers) is None, f"initial_peers: {_bad_peer_address(self.initial_peers)}"),

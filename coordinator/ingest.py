@@ -1,24 +1,35 @@
 """Ingest: turn signed rollout-batch bytes into verified `TrainGroup`s, or a reject code.
 
 Checks, cheapest first (each failure is a `ProtocolError` with a stable `RejectCode`):
-[transport, before the body is read: peer banned / over its rate (NOT_ALLOWED, RATE_LIMITED), frame size
-cap (PAYLOAD_TOO_LARGE)] -> header key banned or not on the allowlist (NOT_ALLOWED; costs nothing, changes
-nothing) -> envelope size, signature, audience, timestamp window -> identity rate + quota and learner
-queue room (RATE_LIMITED, before the nonce is spent so the same bytes can be retried) -> nonce replay
-(NONCE_REUSED) -> batch id seen before (DUPLICATE_BATCH; the ack is repeated so a client whose ack was
-lost can delete its spooled copy — also when its retry reused the nonce) -> strict decode + shape/range
-validation -> run id -> sampling params as leased -> adapter version one we published (not ahead, not a
-superseded one: FUTURE_VERSION) -> every lease known and held by the signer -> finish reasons derived from
-the tokens and the published stop set (protocol.messages.derive_finish_reason; a claim that differs, or
-tokens after a stop token, is MALFORMED) -> rewards recomputed from the completions (REWARD_MISMATCH) ->
-generation audit (coordinator/audit.py: LOGPROB_MISMATCH now, or deferred to the learner's forward pass).
+[transport, before the body is read: stream caps, byte budget, deadlines (swarm/inbound.py), peer banned /
+over its rate (NOT_ALLOWED, RATE_LIMITED), frame size cap (PAYLOAD_TOO_LARGE)] -> header key banned or not
+on the allowlist (NOT_ALLOWED; costs nothing, changes nothing) -> envelope size, signature, audience,
+timestamp window -> identity rate + quota (a copy sent by another peer than the signer's own is charged to
+that peer: coordinator/access.py) and learner queue room (RATE_LIMITED, before the nonce is spent so the
+same bytes can be retried) -> nonce replay (NONCE_REUSED) -> batch id seen before (DUPLICATE_BATCH; the
+ack is repeated so a client whose ack was lost can delete its spooled copy — also when its retry reused
+the nonce) or being verified right now (RATE_LIMITED) -> strict decode + shape/range validation -> run id
+-> sampling params as leased -> adapter version one we published (not ahead, not a superseded one:
+FUTURE_VERSION) -> every lease known and held by the signer -> finish reasons derived from the tokens and the published
+stop set (protocol.messages.derive_finish_reason; a claim that differs, or tokens after a stop token, is
+MALFORMED) -> rewards recomputed from the completions (REWARD_MISMATCH; a completion our verifier cannot
+score drops its group, UNSCORABLE, no blame) -> generation audit (coordinator/audit.py: LOGPROB_MISMATCH
+now, or deferred to the learner's forward pass).
 Only rejects raised after the signature verified are charged to the signer (client stats, strikes in
-coordinator/access.py); earlier ones are charged to the transport peer.
-Accepted groups are written to the journal (coordinator/journal.py: an ack means "durable here") and
-go onto a bounded queue the learner drains; the Ack then carries a coordinator-signed receipt
-(coordinator/receipts.py; a retried accepted batch gets the same receipt again). Back-pressure invariant: ingest never
-blocks the P2P loop; when the queue is full the batch is refused with RATE_LIMITED and stays in the
-volunteer's outbox for a later retry — nothing is dropped silently.
+coordinator/access.py); earlier ones, and copies sent by another peer, are charged to the transport peer.
+
+Commit, in this order, so an ack always means "durable here" and nothing is half-done: journal the
+batch (coordinator/journal.py) -> complete *all* its leases or none (a lease that expired mid-batch
+refuses the batch and changes nothing) -> queue it for the learner (room was reserved before the nonce;
+should the put still fail, the leases are reopened and the journal entry removed) -> remember its id
+(`seen`) -> a coordinator-signed receipt (coordinator/receipts.py; a retried accepted batch gets the same
+receipt again) -> ack. A failed journal write therefore leaves nothing behind: no `seen` id whose
+DUPLICATE_BATCH ack would make a volunteer delete a batch that is nowhere.
+Back-pressure invariant: ingest never blocks the P2P loop; when the queue is full the batch is refused
+with RATE_LIMITED and stays in the volunteer's outbox for a later retry — nothing is dropped silently.
+
+Memory is bounded over a run of any length (coordinator/ingest_books.py): per-key stats in an LRU table,
+scalars only in the accepted log, a bucketed reward trace, seen ids capped and persisted incrementally.
 """
 
 from __future__ import annotations
@@ -27,32 +38,33 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 import numpy as np
 
 from asyncrl import tasks
-from asyncrl.protocol import envelope, messages
+from asyncrl.protocol import envelope, limits, messages
 from asyncrl.protocol.errors import ProtocolError, RejectCode
-from asyncrl.protocol.identity import fingerprint
+from asyncrl.protocol.identity import fingerprint, peer_id_from_public_key
 from asyncrl.tasks.sources import encode_prompt
 
+from .access import IDENTITY_STRIKES, IDENTITY_SUSPICIONS
+from .ingest_books import AcceptedRecord, ClientStats, ClientTable, RewardTrace, SeenIds
 from .learner import TrainGroup
 from .taskboard import LeaseRejected, TaskBoard
 
+__all__ = ["Ingest", "AcceptedBatch", "ClientStats", "REWARD_TOLERANCE"]
+
 REWARD_TOLERANCE = 1e-6
+ACCEPTED_LOG = 4096  # newest accepted-batch records kept for the learner loop's `batch` events
+RETRYABLE = (RejectCode.RATE_LIMITED, RejectCode.INTERNAL)
+SIGNERS_LIES = IDENTITY_STRIKES | IDENTITY_SUSPICIONS  # booked against the signer whoever delivered them
 
 
-@dataclass
-class ClientStats:
-    name: str
-    fingerprint: str
-    accepted: int = 0
-    rejected: dict[str, int] = field(default_factory=dict)
-    resent: int = 0  # DUPLICATE_BATCH: an accepted batch sent again (its ack was lost) — repeated, not a rejection
-    last_version: int = -1
-    last_seen: float = 0.0
+def _foreign(signer: bytes, peer: str) -> bool:
+    """True when `peer` is known and is not the signer's own peer id (a volunteer's peer id is its key)."""
+    return bool(peer) and peer != peer_id_from_public_key(signer)
 
 
 @dataclass
@@ -65,13 +77,28 @@ class AcceptedBatch:
     received_at: float
     signer: str = ""  # the volunteer's key fingerprint (names are self-chosen; --sync counts keys)
     prompt_ids: tuple[str, ...] = ()  # the leased prompts its groups answer (journal replay settles them)
+    signer_key: bytes = b""  # the raw key (a journal replay re-registers a pending train-time audit)
+    engine_dtype: str = ""   # what the batch said its engine computed in (the audit's tolerance)
+
+
+@dataclass
+class _Verified:
+    opened: envelope.Opened
+    batch: messages.RolloutBatch
+    leases: list
+    groups: list[TrainGroup]
+    prompt_ids: tuple[str, ...]  # of the groups kept
+    unscorable: int              # groups dropped because our reward check could not finish
+    audit: str
 
 
 class Ingest:
     def __init__(self, *, identity_public_key: bytes, run_id: str, board: TaskBoard, tokenizer, vocab_size: int,
                  current_version, max_batch_bytes: int, window_s: float, queue_groups: int = 256, journal=None,
                  access=None, auditor=None, sampling: messages.SamplingParams | None = None, is_published=None,
-                 stop_token_ids: tuple[int, ...] = (), context_limit: int | None = None, receipts=None):
+                 stop_token_ids: tuple[int, ...] = (), context_limit: int | None = None, receipts=None,
+                 seen_path=None,
+                 max_seen_ids: int = 2_000_000, max_clients: int = 10_000, replay_entries: int = 200_000):
         self.audience = identity_public_key
         self.run_id = run_id
         self.board = board
@@ -83,13 +110,16 @@ class Ingest:
         self.is_published = is_published or (lambda v: v <= self.current_version())
         self.max_batch_bytes = max_batch_bytes
         self.window_s = window_s
-        self.replay = envelope.ReplayGuard(window_s=window_s)
-        self.seen: set[bytes] = set()
+        self.replay = envelope.ReplayGuard(window_s=window_s, max_entries=replay_entries)
+        self.seen = SeenIds(max_seen_ids, seen_path)
         self.queue: queue.Queue[AcceptedBatch] = queue.Queue(maxsize=queue_groups)
-        self.clients: dict[str, ClientStats] = {}
+        self.clients = ClientTable(max_clients)
         self.lock = threading.Lock()
-        self.accepted_log: list[AcceptedBatch] = []
+        self.accepted_log: deque[AcceptedRecord] = deque(maxlen=ACCEPTED_LOG)
+        self.accepted_total = 0  # records ever appended (the next record's seq)
+        self.rewards = RewardTrace()
         self.queued_groups = 0  # groups accepted but not yet taken by the learner
+        self.unscorable_groups = 0  # groups dropped because our reward check could not finish (no blame)
         self.journal = journal  # IngestJournal or None (then an ack is only as durable as this process)
         self.access = access    # coordinator.access.AccessControl or None (open, unlimited)
         self.auditor = auditor  # coordinator.audit.Auditor or None (no generation audit)
@@ -103,6 +133,7 @@ class Ingest:
         self.bounds = tasks.PrintableTable(tokenizer, vocab_size) if tokenizer is not None else None
         if self.bounds is not None and self.bounds.table is None:
             self.bounds = None
+        self._inflight: set[bytes] = set()  # batch ids being verified (a concurrent copy waits its turn)
 
     def note_client(self, signer: bytes, name: str = "") -> None:
         """A volunteer asked for work: remember its chosen name and when it was last seen."""
@@ -114,31 +145,44 @@ class Ingest:
         with self.lock:
             return self.queued_groups
 
+    def accepted_since(self, seq: int) -> list[AcceptedRecord]:
+        """Accepted-batch records numbered >= seq that are still kept (the newest ACCEPTED_LOG)."""
+        with self.lock:
+            return [r for r in self.accepted_log if r.seq >= seq]
+
+    def log_accepted(self, item: AcceptedBatch) -> AcceptedRecord:
+        """Book an accepted batch (call with `lock` held): scalars only, the groups stay with the queue."""
+        rec = AcceptedRecord(self.accepted_total, item.batch_id, item.client, item.signer, item.version,
+                             item.reward_mean, len(item.groups), tuple(item.prompt_ids), item.received_at)
+        self.accepted_log.append(rec)
+        self.accepted_total += 1
+        self.rewards.add(item.reward_mean)
+        return rec
+
     def _client(self, signer: bytes, name: str = "") -> ClientStats:
-        fp = fingerprint(signer)
-        stats = self.clients.get(fp)
-        if stats is None:
-            stats = self.clients[fp] = ClientStats(name=name or fp, fingerprint=fp)
-        elif name:
-            stats.name = name
-        stats.last_seen = time.time()
-        return stats
+        st = self.clients.touch(fingerprint(signer), name[:limits.MAX_NAME_CHARS])
+        st.last_seen = time.time()
+        return st
 
     def handle(self, data: bytes, peer: str = "") -> messages.Ack:
         """Verify one sealed rollout batch; never raises, always answers an Ack."""
-        reserved: list[bool] = []
+        reserved: list[bytes] = []
         try:
             return self._handle(data, peer, reserved)
         finally:
             if reserved:
                 with self.lock:
                     self._reserved -= 1
+                    self._inflight.discard(reserved[0])
 
     def _handle(self, data: bytes, peer: str, reserved: list) -> messages.Ack:
         try:
-            batch_id, groups, batch, signer, audit = self._verify(data, reserved)
+            return self._verify_and_commit(data, peer, reserved)
         except ProtocolError as exc:
             signer = getattr(exc, "signer", None)  # set only once the signature verified
+            if getattr(exc, "charge_peer", False) or (signer is not None and exc.code not in SIGNERS_LIES
+                                                      and _foreign(signer, peer)):
+                signer = None  # a copy sent by someone else: the sending peer answers for it, not the signer
             if signer is not None:
                 with self.lock:
                     st = self._client(signer)
@@ -147,38 +191,13 @@ class Ingest:
                     else:
                         st.rejected[exc.code.value] = st.rejected.get(exc.code.value, 0) + 1
             if self.access is not None:
-                self.access.on_reject(exc.code, signer=signer, peer=peer)
-            batch_id = exc.batch_id if hasattr(exc, "batch_id") else b""
+                self.access.on_reject(exc.code, signer=signer, peer=peer, strike=getattr(exc, "strike", True))
+            batch_id = getattr(exc, "batch_id", b"")
             self._verdict(batch_id, signer, exc.code.value, "ingest")
             accepted = exc.code is RejectCode.DUPLICATE_BATCH  # the client may delete its copy
             receipt = self.receipts.lookup(batch_id) if accepted and self.receipts is not None else b""
-            return messages.Ack(batch_id=batch_id, accepted=accepted, code=exc.code.value, detail=exc.detail,
-                                receipt=receipt)
-        rewards = [r for g in groups for r in g.rewards]
-        accepted = AcceptedBatch(batch_id, batch.client_name, groups, float(np.mean(rewards)),
-                                 batch.adapter_version, time.time(), signer=fingerprint(signer),
-                                 prompt_ids=tuple(g.prompt_id for g in batch.groups))
-        if self.journal is not None:
-            self.journal.put(accepted)
-        try:
-            self.queue.put_nowait(accepted)
-        except queue.Full:
-            if self.journal is not None:
-                self.journal.remove(batch_id)
-            with self.lock:
-                self.seen.discard(batch_id)
-            return messages.Ack(batch_id=batch_id, accepted=False, code=RejectCode.RATE_LIMITED.value,
-                                detail="learner queue full; retry later")
-        with self.lock:
-            self.queued_groups += len(groups)
-            st = self._client(signer, batch.client_name)
-            st.accepted += 1
-            st.last_version = batch.adapter_version
-            self.accepted_log.append(accepted)
-        if self.access is not None:
-            self.access.record_accepted(signer)
-        self._verdict(batch_id, signer, "ACCEPTED", "ingest", audit=audit)
-        return messages.Ack(batch_id=batch_id, accepted=True, receipt=self._receipt(signer, batch_id, batch, groups))
+            return messages.Ack(batch_id=batch_id, accepted=accepted, code=exc.code.value,
+                                detail=exc.detail[:limits.MAX_DETAIL_CHARS], receipt=receipt)
 
     def _receipt(self, signer: bytes, batch_id: bytes, batch, groups) -> bytes:
         """The signed receipt for an accepted batch (coordinator/receipts.py); b"" if it cannot be written:
@@ -192,7 +211,7 @@ class Ingest:
         except OSError:
             return b""
 
-    def _verify(self, data: bytes, reserved: list):
+    def _verify_and_commit(self, data: bytes, peer: str, reserved: list) -> messages.Ack:
         data = bytes(data)
         if (self.access is not None and envelope.HEADER_BYTES < len(data) <= self.max_batch_bytes
                 and data[:4] == envelope.MAGIC):
@@ -200,17 +219,29 @@ class Ingest:
         opened = envelope.open_envelope(data, max_bytes=self.max_batch_bytes, expected_kind="rollout_batch",
                                         expected_audience=self.audience, window_s=self.window_s)
         try:
-            return self._verify_opened(opened, reserved)
+            self._admit(opened, peer, reserved)
+            batch = self._decode(opened)
+            try:
+                leases = self._leases(opened, batch)
+                verified = self._verify_leased(opened, batch, leases)
+                return self._commit(verified, peer)
+            except ProtocolError as exc:
+                if exc.code not in RETRYABLE:
+                    # A refused batch is never re-sent (client/worker.py): end its leases now instead of
+                    # pinning the prompts (and the back-pressure room) until they expire. Only the signer's
+                    # own outstanding leases are touched.
+                    self.board.abandon([g.lease_id for g in batch.groups], opened.signer)
+                raise
         except ProtocolError as exc:
-            exc.signer = opened.signer  # from here on the signer is accountable
+            exc.signer = opened.signer  # from here on the signer is accountable (unless charge_peer)
             if not hasattr(exc, "batch_id"):
                 exc.batch_id = opened.payload_id
             raise
 
-    def _verify_opened(self, opened: envelope.Opened, reserved: list):
+    def _admit(self, opened: envelope.Opened, peer: str, reserved: list) -> None:
         batch_id = opened.payload_id
         if self.access is not None:
-            self.access.admit_identity(opened.signer)  # before the nonce is spent: a retry of these bytes works
+            self.access.admit_identity(opened.signer, peer)  # before the nonce is spent: a retry of these bytes works
         with self.lock:
             if self.queue.qsize() + self._reserved >= self.queue.maxsize:
                 raise ProtocolError(RejectCode.RATE_LIMITED, "learner queue full; retry later")
@@ -222,12 +253,24 @@ class Ingest:
                 raise
             if batch_id in self.seen:
                 raise ProtocolError(RejectCode.DUPLICATE_BATCH, "already accepted")
+            if batch_id in self._inflight:
+                raise ProtocolError(RejectCode.RATE_LIMITED, "this batch is being verified; retry later")
             self._reserved += 1
-            reserved.append(True)
+            self._inflight.add(batch_id)
+            reserved.append(batch_id)
+
+    def _decode(self, opened: envelope.Opened) -> messages.RolloutBatch:
         batch = messages.decode_rollout_batch(opened.payload, max_bytes=self.max_batch_bytes,
                                               vocab_size=self.vocab_size)
         if batch.run_id != self.run_id:
             raise ProtocolError(RejectCode.WRONG_RUN, f"batch is for run {batch.run_id!r}")
+        return batch
+
+    def _leases(self, opened: envelope.Opened, batch: messages.RolloutBatch) -> list:
+        if self.sampling is not None and batch.sampling != self.sampling:
+            raise ProtocolError(RejectCode.MALFORMED, "sampling parameters differ from the leased ones")
+        if not self.is_published(batch.adapter_version):
+            raise ProtocolError(RejectCode.FUTURE_VERSION, f"version {batch.adapter_version} was not published")
         leases = []
         for group in batch.groups:
             try:
@@ -237,37 +280,81 @@ class Ingest:
             if lease.prompt.prompt_id != group.prompt_id:
                 raise ProtocolError(RejectCode.UNKNOWN_LEASE, "prompt id does not match the lease")
             leases.append(lease)
-        try:
-            # Checked once the leases are known, so a refusal here ends them too (below).
-            if self.sampling is not None and batch.sampling != self.sampling:
-                raise ProtocolError(RejectCode.MALFORMED, "sampling parameters differ from the leased ones")
-            if not self.is_published(batch.adapter_version):
-                raise ProtocolError(RejectCode.FUTURE_VERSION, f"version {batch.adapter_version} was not published")
-            return self._verify_leased(opened, batch, leases, batch_id)
-        except ProtocolError as exc:
-            if exc.code not in (RejectCode.RATE_LIMITED, RejectCode.INTERNAL):
-                # A refused batch is never re-sent (client FINAL_REJECTS): end its leases now instead of
-                # pinning the prompts (and the back-pressure room) until they expire.
-                self.board.abandon([l.lease_id for l in leases], opened.signer)
-            raise
+        if len({l.lease_id for l in leases}) != len(leases):
+            raise ProtocolError(RejectCode.MALFORMED, "the same lease answered twice in one batch")
+        return leases
 
-    def _verify_leased(self, opened: envelope.Opened, batch, leases, batch_id: bytes):
-        groups = [rescore_group(self.tokenizer, group, lease, batch, self.bounds, stop_token_ids=self.stop_token_ids,
-                                context_limit=self.context_limit)
-                  for group, lease in zip(batch.groups, leases)]
+    def _verify_leased(self, opened: envelope.Opened, batch, leases) -> _Verified:
+        groups, prompt_ids, unscorable = [], [], 0
+        with tasks.scoring_for(opened.signer):  # the signer's fair share of the verifier pool
+            for group, lease in zip(batch.groups, leases):
+                try:
+                    groups.append(rescore_group(self.tokenizer, group, lease, batch, self.bounds,
+                                                 stop_token_ids=self.stop_token_ids,
+                                                 context_limit=self.context_limit))
+                except (tasks.Unscorable, tasks.RewardError):
+                    unscorable += 1  # our verifier (or our reward function) could not finish: drop the group,
+                    continue         # blame nobody
+                prompt_ids.append(group.prompt_id)
         audit = "off"
-        if self.auditor is not None:  # after the (cheaper) reward check; before the leases are settled
+        if self.auditor is not None and groups:  # after the (cheaper) reward check; before the leases settle
             streak = self.access.valid_streak(opened.signer) if self.access is not None else 0
-            audit = self.auditor.check(opened.signer, batch_id, batch.adapter_version, groups, valid_streak=streak,
-                                       current_version=self.current_version())
-        for group in batch.groups:
+            audit = self.auditor.check(opened.signer, opened.payload_id, batch.adapter_version, groups,
+                                       valid_streak=streak, current_version=self.current_version(),
+                                       engine_dtype=batch.engine_dtype)
+        return _Verified(opened, batch, leases, groups, tuple(prompt_ids), unscorable, audit)
+
+    def _commit(self, v: _Verified, peer: str) -> messages.Ack:
+        """Journal -> all leases -> queue -> seen -> ack (see the module docstring)."""
+        batch_id, signer = v.opened.payload_id, v.opened.signer
+        item = None
+        if v.groups:
+            rewards = [r for g in v.groups for r in g.rewards]
+            item = AcceptedBatch(batch_id, v.batch.client_name, v.groups, float(np.mean(rewards)),
+                                 v.batch.adapter_version, time.time(), signer=fingerprint(signer),
+                                 prompt_ids=v.prompt_ids, signer_key=signer, engine_dtype=v.batch.engine_dtype)
+            if self.journal is not None:
+                try:
+                    self.journal.put(item)  # durable before anything else changes
+                except OSError as exc:  # nothing changed yet: the volunteer retries the same batch later
+                    raise ProtocolError(RejectCode.INTERNAL, f"could not journal the batch: {exc}") from None
+        try:
+            settled = self.board.complete_all([l.lease_id for l in v.leases], signer)
+        except LeaseRejected as exc:  # one expired between peek and now: refuse the whole batch, unchanged
+            if item is not None and self.journal is not None:
+                self.journal.remove(batch_id)
+            raise ProtocolError(RejectCode.UNKNOWN_LEASE, str(exc)) from None
+        if item is not None:
+            with self.lock:
+                self.queued_groups += len(item.groups)
             try:
-                self.board.complete(group.lease_id, opened.signer)
-            except LeaseRejected as exc:  # expired between peek and now
-                raise ProtocolError(RejectCode.UNKNOWN_LEASE, str(exc)) from None
+                self.queue.put_nowait(item)
+            except queue.Full:  # cannot happen with the reservation; if it does, undo everything
+                with self.lock:
+                    self.queued_groups -= len(item.groups)
+                self.board.reopen(settled)
+                if self.journal is not None:
+                    self.journal.remove(batch_id)
+                raise ProtocolError(RejectCode.RATE_LIMITED, "learner queue full; retry later") from None
+        if v.unscorable:
+            self.board.mark_dropped(v.unscorable)
         with self.lock:
             self.seen.add(batch_id)
-        return batch_id, groups, batch, opened.signer, audit
+            self.unscorable_groups += v.unscorable
+            st = self._client(signer, v.batch.client_name)
+            st.accepted += 1
+            st.last_version = v.batch.adapter_version
+            if item is not None:
+                self.log_accepted(item)
+        if self.access is not None:
+            self.access.record_accepted(signer, peer)
+        if v.unscorable:
+            self._verdict(batch_id, signer, RejectCode.UNSCORABLE.value, "ingest", groups=v.unscorable)
+        self._verdict(batch_id, signer, "ACCEPTED", "ingest", audit=v.audit)
+        detail = f"{v.unscorable} group(s) could not be scored here and were dropped (not your fault)" \
+            if v.unscorable else ""
+        return messages.Ack(batch_id=batch_id, accepted=True, detail=detail,
+                            receipt=self._receipt(signer, batch_id, v.batch, v.groups))
 
     # ---- trust bookkeeping (coordinator/access.py, coordinator/audit.py, coordinator/trust_state.py) ----
     def _verdict(self, batch_id: bytes, signer: bytes | None, code: str, stage: str, **extra) -> None:
@@ -275,9 +362,11 @@ class Ingest:
             self.verdicts.append({"batch_id": batch_id.hex(), "client": fingerprint(signer) if signer else None,
                                   "code": code, "stage": stage, "t": time.time(), **extra})
 
-    def audit_verdict(self, batch_id: bytes, signer: bytes, code: RejectCode | None, stage: str) -> None:
+    def audit_verdict(self, batch_id: bytes, signer: bytes, code: RejectCode | None, stage: str,
+                      *, strike: bool = True) -> None:
         """The auditor's outcome for a batch. A failure at train time comes after the ack: the batch is
-        dropped before its gradient, counted as rejected, and its signer struck."""
+        dropped before its gradient and counted as rejected; its signer is struck only when `strike`
+        (coordinator/audit.py decides: a first suspicion quarantines, it does not strike)."""
         if code is None:
             self._verdict(batch_id, signer or None, "AUDIT_PASSED", stage)
             return
@@ -287,29 +376,39 @@ class Ingest:
                 st.accepted = max(0, st.accepted - 1)
                 st.rejected[code.value] = st.rejected.get(code.value, 0) + 1
             if self.access is not None:
-                self.access.on_reject(code, signer=signer)
+                self.access.on_reject(code, signer=signer, strike=strike)
         self._verdict(batch_id, signer or None, code.value, stage)
 
     def state_bytes(self) -> bytes:
-        """Replay guard + accepted batch ids (msgpack, no pickle): nonces stay single-use across restarts."""
+        """The replay guard (msgpack, no pickle): nonces stay single-use across restarts. Accepted batch
+        ids are persisted incrementally instead (`save_seen`). Encoded outside the lock."""
         with self.lock:
-            return msgspec.msgpack.encode({"version": 1, "replay": self.replay.to_bytes(), "seen": sorted(self.seen)})
+            snapshot = self.replay.snapshot()
+        return msgspec.msgpack.encode({"version": 2, "replay": envelope.ReplayGuard.encode_snapshot(snapshot)})
+
+    def save_seen(self) -> int:
+        """Append the ids accepted since the last call to the seen-ids file (outside the lock)."""
+        with self.lock:
+            new = self.seen.take_unsaved()
+        self.seen.append(new)
+        return len(new)
 
     def load_state(self, data: bytes) -> None:
-        """Merge a `state_bytes()` snapshot into the live state (union: never forgets what it holds)."""
+        """Merge a `state_bytes()` snapshot into the live state (union: never forgets what it holds).
+        Reads version 1 (with the seen ids inline) too."""
         try:
             state = msgspec.msgpack.decode(data, type=dict[str, int | bytes | list[bytes]])
-            if state.get("version") != 1:
+            if state.get("version") not in (1, 2):
                 raise ValueError("unknown state version")
             guard = envelope.ReplayGuard.from_bytes(state["replay"])
-            seen = {bytes(b) for b in state["seen"] if len(b) == 32}
+            seen = [bytes(b) for b in state.get("seen", ()) if len(b) == 32]
         except ProtocolError:
             raise
         except Exception as exc:
             raise ProtocolError(RejectCode.MALFORMED, f"ingest state: {exc}") from None
         with self.lock:
             self.replay.merge(guard)
-            self.seen |= seen
+            self.seen.update(seen)
 
     def take(self, n_groups: int, *, max_wait_s: float, min_groups: int, stop: threading.Event) -> list[AcceptedBatch]:
         """Block until n_groups are queued, or max_wait_s passed with >= min_groups (or stop is set)."""

@@ -31,6 +31,8 @@ class JournalEntry(msgspec.Struct, frozen=True):
     prompt_ids: list[str]
     groups: list[TrainGroup]
     signer: str = ""
+    signer_key: bytes = b""  # the raw key: a replayed batch's pending audit can credit or strike it
+    engine_dtype: str = ""   # its engine's dtype (the pending audit's tolerance)
 
 
 _decoder = msgspec.msgpack.Decoder(JournalEntry)
@@ -48,7 +50,8 @@ class IngestJournal:
         entry = JournalEntry(batch_id=batch.batch_id, client=batch.client, version=batch.version,
                              reward_mean=batch.reward_mean, received_at=batch.received_at,
                              prompt_ids=list(batch.prompt_ids), groups=list(batch.groups),
-                             signer=getattr(batch, "signer", ""))
+                             signer=getattr(batch, "signer", ""), signer_key=getattr(batch, "signer_key", b""),
+                             engine_dtype=getattr(batch, "engine_dtype", ""))
         final = self.path / f"{entry.batch_id.hex()}.entry"
         write_atomic(final, msgspec.msgpack.encode(entry))  # fsyncs the file and the directory
 

@@ -77,6 +77,7 @@ class LeasePolicy:
     max_idle_polls_per_s: float = 20.0
     lease_life_s: float = 0.0  # how long a lease can live, renewals included; 0 = not sized (desk-only tests)
     max_staleness: int | None = None
+    max_batch_bytes: int = 0  # told to volunteers in every grant, so they never build a batch we refuse
 
     @classmethod
     def from_config(cls, cfg) -> "LeasePolicy":
@@ -84,7 +85,8 @@ class LeasePolicy:
                    max_inflight_groups=cfg.inflight_groups, window_s=cfg.timestamp_window_s,
                    new_key_share=cfg.new_key_share, active_window_s=cfg.lease_timeout_s,
                    idle_retry_s=cfg.idle_retry_s, max_idle_retry_s=cfg.max_idle_retry_s,
-                   lease_life_s=cfg.lease_max_s or cfg.lease_timeout_s, max_staleness=cfg.max_staleness)
+                   lease_life_s=cfg.lease_max_s or cfg.lease_timeout_s, max_staleness=cfg.max_staleness,
+                   max_batch_bytes=cfg.max_batch_bytes)
 
 
 class VersionClock:
@@ -209,7 +211,7 @@ class LeaseDesk:
     def handle(self, request: bytes, peer: str = "") -> bytes:
         """Sealed LeaseRequest bytes -> encoded LeaseGrant; raises ProtocolError with a stable code."""
         try:
-            return self._grant(request)
+            return self._grant(request, peer)
         except ProtocolError as exc:  # unattributable garbage strikes the transport peer (coordinator/access.py)
             self.access.on_reject(exc.code, signer=None, peer=peer)
             raise
@@ -218,13 +220,13 @@ class LeaseDesk:
         """Groups that may still be leased before the in-flight bound is reached."""
         return self.policy.max_inflight_groups - self.ingest.queued() - self.board.counts()["outstanding"]
 
-    def _grant(self, request: bytes) -> bytes:
+    def _grant(self, request: bytes, peer: str = "") -> bytes:
         p = self.policy
         if len(request) > envelope.HEADER_BYTES and request[:4] == envelope.MAGIC:
             self.access.check_signer(bytes(request[4:36]))  # banned / not allowed: before the signature check
         opened = envelope.open_envelope(request, max_bytes=MAX_LEASE_REQUEST_BYTES, expected_kind="lease_request",
                                         expected_audience=self.audience, window_s=p.window_s)
-        self.access.admit_identity(opened.signer)  # per-key rate, first-contact rate, quota
+        self.access.admit_identity(opened.signer, peer)  # per-key rate (a copy from another peer: that peer's), quota
         try:
             req = messages.decode(opened.payload, messages.LeaseRequest, max_bytes=MAX_LEASE_REQUEST_BYTES)
         except ProtocolError as exc:
@@ -290,7 +292,8 @@ class LeaseDesk:
             for g in grants)
         self.ingest.note_client(opened.signer, req.client_name)
         return messages.encode(messages.LeaseGrant(run_id=p.run_id, leases=leases, current_version=version,
-                                                   retry_after_s=retry_after, renewed=renewed, **sizing))
+                                                   retry_after_s=retry_after, renewed=renewed,
+                                                   max_batch_bytes=p.max_batch_bytes, **sizing))
 
 
 def int32_bytes(ids) -> bytes:

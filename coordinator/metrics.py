@@ -102,14 +102,18 @@ class RunStats:
                 self._rollout_times.append((now, n))
             elif event == "dropped":
                 self.groups_dropped_stale += fields.get("groups", 0)
+            self._prune(now)  # bounded even when nobody ever takes a snapshot (no dashboard open)
+
+    def _prune(self, now: float) -> None:
+        while self._rollout_times and self._rollout_times[0][0] < now - THROUGHPUT_WINDOW_S:
+            self._rollout_times.popleft()
+        while self._step_times and self._step_times[0][0] < now - THROUGHPUT_WINDOW_S:
+            self._step_times.popleft()
 
     def snapshot(self) -> dict:
         now = self.clock()
         with self._lock:
-            while self._rollout_times and self._rollout_times[0][0] < now - THROUGHPUT_WINDOW_S:
-                self._rollout_times.popleft()
-            while self._step_times and self._step_times[0][0] < now - THROUGHPUT_WINDOW_S:
-                self._step_times.popleft()
+            self._prune(now)
             steps = list(self.steps)
             last = steps[-1] if steps else None
             rewards = [s["reward"] for s in steps]

@@ -48,6 +48,8 @@ from .config import CoordinatorConfig
 from .leasing import MAX_LEASE_REQUEST_BYTES
 
 FINAL_POINTER_WAIT_S = 90.0  # at the run's end the publisher thread may still be storing the last version
+CALIBRATION_PROMPTS = 8  # x min(group_size, 8) honest completions sampled at start-up (coordinator/audit_policy.py)
+CALIBRATION_TOKENS = 64  # longest calibration completion (the statistic is a per-token mean)
 
 
 def resolve_model(cfg: CoordinatorConfig, *, out=print):
@@ -182,6 +184,7 @@ class Coordinator:
         from .audit import Auditor
 
         self.access = AccessControl(AccessPolicy.from_config(cfg))  # who may talk, how often; strikes, bans
+        self.node.inbound.trusted = self.access.peer_has_accepted  # their requests may use the whole byte budget
         self.auditor = Auditor.from_config(cfg, self.learner)  # logprob audit; shares the learner's base weights
         from .receipts import ReceiptDesk
 
@@ -192,6 +195,7 @@ class Coordinator:
                              is_published=lambda v: self.publish_worker.is_published(v),
                              max_batch_bytes=cfg.max_batch_bytes,
                              window_s=cfg.timestamp_window_s, journal=self.journal, access=self.access,
+                             seen_path=self.run_dir / "seen_ids.log",
                              auditor=self.auditor, receipts=self.receipts, sampling=messages.SamplingParams(
                                  temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens),
                              stop_token_ids=pin.stop_token_ids,  # finish reasons are derived from the tokens
@@ -220,7 +224,7 @@ class Coordinator:
         self.checkpoints = checkpoint.Checkpointing(
             self.run_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints, gate=self.gate, learner=self.learner,
             board=self.board, ingest=self.ingest, journal=self.journal, out=self.out, resume=cfg.resume,
-            held=self.sync_round.held if self.sync_round is not None else None,
+            held=self.sync_round.held if self.sync_round is not None else None, auditor=self.auditor,
             identity=checkpoint.identity_meta(run_id=cfg.run_id, base_model=self.base_model,
                                               base_revision=self.base_revision, lora=self.lora),
             export=checkpoint.AdapterExport(  # each checkpoint also holds a standard PEFT directory
@@ -231,6 +235,8 @@ class Coordinator:
             self.log.write("resume", **info)
             self.out(f"resumed from {info['checkpoint']} (step {info['from_step']}); publishing v{info['version']}, "
                      f"{info['replayed_batches']} journalled batches re-queued")
+        if cfg.audit and cfg.audit_calibrate:
+            self._calibrate_audit()
         from .trust_state import TrustState
 
         self.trust = TrustState(self.run_dir, ingest=self.ingest, access=self.access, auditor=self.auditor,
@@ -274,6 +280,24 @@ class Coordinator:
     def _proven_peer(self, peer: str) -> bool:
         access = getattr(self, "access", None)  # built after the swarm side starts
         return access is not None and access.peer_has_accepted(peer)
+
+    def _calibrate_audit(self) -> None:
+        """Honest-noise calibration of the audit per engine dtype, on the policy the swarm starts with
+        (coordinator/audit_policy.py); prompts from the task itself (a second source, so no prompt is used up)."""
+        from asyncrl.models.lora import export_lora, tensors_from_bytes
+        from asyncrl.tasks.sources import encode_prompt, open_source
+
+        cfg = self.cfg
+        source = open_source(cfg.task, seed=cfg.seed + 1, tokenizer=self.learner.tokenizer,
+                             chat_template=cfg.chat_template, prompt_field=cfg.task_prompt_field,
+                             answer_field=cfg.task_answer_field, default_reward=cfg.task_reward)
+        prompts = [list(encode_prompt(self.learner.tokenizer, next(source).text)) for _ in range(CALIBRATION_PROMPTS)]
+        specs, blobs = export_lora(self.learner.model, cfg.publish_dtype)
+        status = self.auditor.calibrate(tensors_from_bytes(specs, blobs), prompts, temperature=cfg.temperature,
+                                        max_new_tokens=min(cfg.max_new_tokens, CALIBRATION_TOKENS),
+                                        group_size=min(cfg.group_size, 8), seed=cfg.seed)
+        self.log.write("audit_calibration", tolerances=status["tolerances"], calibration=status["calibration"])
+        self.out("audit tolerance per engine dtype: " + ", ".join(f"{d} {t:.2e}" for d, t in status["tolerances"].items()))
 
     def _serve_handlers(self) -> None:
         cfg, node = self.cfg, self.node
@@ -353,12 +377,13 @@ class Coordinator:
             else:
                 items = self.ingest.take(cfg.groups_per_step, max_wait_s=cfg.max_wait_s, min_groups=cfg.min_groups,
                                          stop=self.stop)
-            with self.ingest.lock:
-                new = self.ingest.accepted_log[logged:]
-                logged = len(self.ingest.accepted_log)
+            new = self.ingest.accepted_since(logged)
+            if new and new[0].seq > logged:  # more arrived than the log keeps: say how many events are missing
+                self.log.write("batch_events_skipped", count=new[0].seq - logged)
+            logged = new[-1].seq + 1 if new else logged
             for b in new:
                 self.log.write("batch", client=b.client, version=b.version, reward_mean=b.reward_mean,
-                               groups=len(b.groups), staleness=self.learner.version - b.version,
+                               groups=b.groups, staleness=self.learner.version - b.version,
                                batch_id=b.batch_id.hex(), prompt_ids=list(b.prompt_ids))
             if not items:
                 continue
@@ -422,24 +447,25 @@ class Coordinator:
         final = self.learner.lora_parameters()
         delta = sum(float((final[k] - self.initial_lora[k]).float().norm() ** 2) for k in final) ** 0.5
         with self.ingest.lock:
-            log = list(self.ingest.accepted_log)
-            clients = {st.name: st.accepted for st in self.ingest.clients.values()}
+            accepted = self.ingest.accepted_total
+            clients = {st.name: st.accepted for st in self.ingest.clients.values() if st.accepted}
             rejected = {st.name: dict(st.rejected) for st in self.ingest.clients.values() if st.rejected}
-        k = max(1, len(log) // 10)
-        mean = lambda xs: float(sum(xs) / len(xs)) if xs else 0.0
+            reward_first, reward_last = self.ingest.rewards.mean_of(first=True), self.ingest.rewards.mean_of(first=False)
+            unscorable = self.ingest.unscorable_groups
         summary = {
             "run_id": self.cfg.run_id,
             "finished": self.run_end.finished,  # over for good (max_steps / finish); False after Ctrl-C (resumable)
             "trainer_steps": self.learner.steps,
             "adapter_versions_published": self.publish_worker.published,  # by this process (superseded: not)
             "publisher": self.publish_worker.stats(),
-            "batches_accepted": len(log),
+            "batches_accepted": accepted,
             "batches_by_client": clients,
             "receipts": self.receipts.summary(),  # per volunteer fingerprint: what its signed receipts add up to
             "contributors": self.contributors(),  # the dashboard's contributors table
             "rejected_by_client": rejected,
-            "reward_first": mean([b.reward_mean for b in log[:k]]),
-            "reward_last": mean([b.reward_mean for b in log[-k:]]),
+            "groups_unscorable": unscorable,
+            "reward_first": reward_first,  # mean batch reward over the first / last 10 % of accepted batches
+            "reward_last": reward_last,
             "lora_delta_norm": delta,
             **self._lease_books(),
             "task": dataclasses.asdict(self.task_report) if getattr(self, "task_report", None) else None,

@@ -22,8 +22,8 @@ Semantics — synchronous on-policy RL spread over volunteers:
   starts, so that round waits for its batch as well.
 
 Coupling, written down: `take` drains `Ingest.queue` itself and keeps `Ingest.queued_groups` right
-(batches it holds for an unfinished round still count as queued), and reads `Ingest.accepted_log`
-under `Ingest.lock`.
+(batches it holds for an unfinished round still count as queued), and reads the accepted-batch
+records (`Ingest.accepted_since`).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class SyncRound:
         self.version = version
         self._granted.clear()
         with self.ingest.lock:
-            self._log_start = len(self.ingest.accepted_log)
+            self._log_start = self.ingest.accepted_total
         self.rounds += 1
 
     def _outstanding(self, held: tuple[bytes, list[str]]) -> bool:
@@ -94,9 +94,7 @@ class SyncRound:
         return False
 
     def _delivered_locked(self, fp: str) -> bool:
-        with self.ingest.lock:
-            return any(b.signer == fp and b.version == self.version
-                       for b in self.ingest.accepted_log[self._log_start:])
+        return any(b.signer == fp and b.version == self.version for b in self.ingest.accepted_since(self._log_start))
 
     def live(self) -> set[str]:
         now = self._clock()

@@ -104,6 +104,35 @@ class TaskBoard:
             self.completed += 1
             return lease
 
+    def complete_all(self, lease_ids, client: bytes) -> list[Lease]:
+        """Complete every lease of one batch, or none: raises LeaseRejected (and changes nothing) when any
+        of them is unknown, expired or someone else's — so a group whose lease expired mid-batch can
+        never leave the others completed but untrained."""
+        with self._lock:
+            self._expire_locked()
+            leases = []
+            for lid in lease_ids:
+                lease = self._outstanding.get(lid)
+                if lease is None:
+                    raise LeaseRejected(f"lease {lid} is unknown or expired (its prompt was re-leased)")
+                if lease.client != client:
+                    raise LeaseRejected(f"lease {lid} belongs to another volunteer")
+                leases.append(lease)
+            if len({l.lease_id for l in leases}) != len(leases):
+                raise LeaseRejected("the same lease twice in one batch")
+            for lease in leases:
+                del self._outstanding[lease.lease_id]
+            self.completed += len(leases)
+            return leases
+
+    def reopen(self, leases: list[Lease]) -> None:
+        """Undo `complete_all` (the batch could not be queued after all): the leases are outstanding
+        again, unchanged, so the volunteer's retry of the same batch is accepted."""
+        with self._lock:
+            for lease in leases:
+                self._outstanding[lease.lease_id] = lease
+            self.completed -= len(leases)
+
     def peek(self, lease_id: str, client: bytes) -> Lease:
         """Check a lease without completing it (ingest validates the whole batch first)."""
         with self._lock:

@@ -37,7 +37,16 @@ def add_trust_arguments(parser: argparse.ArgumentParser, d) -> None:
     g.add_argument("--audit-floor", dest="audit_floor", type=float,
                    help=f"lowest audit probability for trusted keys (default {d.audit_floor}; 1 = audit all)")
     g.add_argument("--audit-tolerance", dest="audit_tolerance", type=float,
-                   help=f"nats/token a completion's logprobs may differ by (default {d.audit_tolerance})")
+                   help=f"nats/token a completion's logprobs may differ by, fp32 engines; the floor of the "
+                        f"calibrated bf16/fp16 ones (default {d.audit_tolerance})")
+    g.add_argument("--no-audit-calibration", dest="audit_calibrate", action="store_const", const=False,
+                   help="do not measure bf16/fp16 engines' tolerance at start-up (they get --audit-tolerance)")
+    g.add_argument("--audit-margin", dest="audit_margin", type=float,
+                   help=f"calibrated tolerance = margin x worst honest completion (default {d.audit_margin})")
+    g.add_argument("--audit-quarantine-passes", dest="audit_quarantine_passes", type=int,
+                   help=f"audits in a row a key must pass to leave quarantine (default {d.audit_quarantine_passes})")
+    g.add_argument("--audit-quarantine-strikes", dest="audit_quarantine_strikes", type=int,
+                   help=f"failed audits in one quarantine that earn a strike (default {d.audit_quarantine_strikes})")
     n = parser.add_argument_group("inbound budgets (docs/transport.md)")
     n.add_argument("--timestamp-window-s", dest="timestamp_window_s", type=float,
                    help=f"signed requests older/newer than this are refused (default {d.timestamp_window_s})")

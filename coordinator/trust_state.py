@@ -2,14 +2,18 @@
 
 Every `every_s` seconds (and once more at shutdown) a daemon thread writes, each file atomically
 (temp name + os.replace), no pickle:
-  <run_dir>/replay.bin   Ingest.state_bytes(): the replay guard's nonces and every accepted batch id,
-                         so a restarted coordinator still refuses replays and duplicates;
+  <run_dir>/replay.bin   Ingest.state_bytes(): the replay guard's nonces (bounded by the timestamp
+                         window), so a restarted coordinator still refuses replays;
+  <run_dir>/seen_ids.log the accepted batch ids, *appended* (only the new ones, outside the ingest lock:
+                         coordinator/ingest_books.py SeenIds), so a restarted coordinator refuses
+                         duplicates and the cost of a write does not grow with the run;
   <run_dir>/access.bin   AccessControl.state_bytes(): automatic bans and strikes;
   <run_dir>/trust.json   a read-only view for operators and tests: per-key accepted/rejected/strikes,
                          bans, access counters, audit statistics (incl. its cost as a fraction of
                          learner time) and the most recent verdicts (batch id -> code).
-`load()` merges replay.bin and access.bin back at start (after a checkpoint restore, if any: the
-union of both never forgets a nonce or a ban).
+`load()` merges replay.bin, seen_ids.log and access.bin back at start (after a checkpoint restore, if
+any: the union never forgets a nonce, an accepted id or a ban). trust.json lists the 1000 most recently
+seen keys (the ingest table itself is bounded too).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from pathlib import Path
 
 from asyncrl.protocol.atomic import write_atomic
 from asyncrl.protocol.errors import ProtocolError
+
+MAX_LISTED = 1000  # keys listed in trust.json (the most recently seen)
 
 
 class TrustState:
@@ -43,6 +49,8 @@ class TrustState:
                 loaded[name] = path.stat().st_size
             except ProtocolError as exc:  # a torn or foreign file: say so, start without it
                 self.out(f"warning: ignoring {path}: {exc}")
+        with self.ingest.lock:
+            loaded["seen_ids"] = self.ingest.seen.load()
         return loaded
 
     def start(self) -> None:
@@ -58,6 +66,7 @@ class TrustState:
 
     def write(self) -> None:
         with self._write_lock:
+            self.ingest.save_seen()
             write_atomic(self.run_dir / "replay.bin", self.ingest.state_bytes())
             if self.access is not None:
                 write_atomic(self.run_dir / "access.bin", self.access.state_bytes())
@@ -65,15 +74,19 @@ class TrustState:
 
     def status(self) -> dict:
         with self.ingest.lock:
+            recent = list(self.ingest.clients.items())[-MAX_LISTED:]
             clients = {fp: {"name": st.name, "accepted": st.accepted, "rejected": dict(st.rejected),
-                           "resent": st.resent}
-                       for fp, st in self.ingest.clients.items()}
+                           "resent": st.resent} for fp, st in recent}
             verdicts = list(self.ingest.verdicts)
+            books = {"clients_tracked": len(self.ingest.clients), "clients_forgotten": self.ingest.clients.forgotten,
+                     "seen_ids": len(self.ingest.seen), "seen_forgotten": self.ingest.seen.forgotten,
+                     "unscorable_groups": self.ingest.unscorable_groups}
         return {
             "clients": clients,
             "access": self.access.status() if self.access is not None else None,
             "audit": self.auditor.status() if self.auditor is not None else None,
             "verdicts": verdicts,
+            "books": books,
         }
 
     def stop(self) -> None:

@@ -236,9 +236,17 @@ class ReplayGuard:
 
     def to_bytes(self) -> bytes:
         """Serialise the seen-set (msgpack, no pickle) so it survives a restart."""
-        entries = [(k[:PUBLIC_KEY_BYTES], k[PUBLIC_KEY_BYTES:], ts) for k, ts in self._seen.items()]
-        state = _GuardState(self._STATE_VERSION, self.window_s, self.max_entries, self._floor, entries)
-        return msgspec.msgpack.encode(state)
+        return self.encode_snapshot(self.snapshot())
+
+    def snapshot(self) -> tuple:
+        """A cheap copy of the state (call under the owner's lock); `encode_snapshot` it outside the lock."""
+        return self.window_s, self.max_entries, self._floor, list(self._seen.items())
+
+    @classmethod
+    def encode_snapshot(cls, snapshot: tuple) -> bytes:
+        window_s, max_entries, floor, items = snapshot
+        entries = [(k[:PUBLIC_KEY_BYTES], k[PUBLIC_KEY_BYTES:], ts) for k, ts in items]
+        return msgspec.msgpack.encode(_GuardState(cls._STATE_VERSION, window_s, max_entries, floor, entries))
 
     @classmethod
     def from_bytes(cls, data: bytes) -> ReplayGuard:

@@ -64,3 +64,13 @@ MAX_ABS_REWARD = 1e6
 MAX_TASK_COLUMNS_CHARS = 64 * 1024
 # A whole LeaseGrant as a volunteer reads it (prompt text + token ids + columns per lease).
 MAX_LEASE_GRANT_BYTES = 4 * MiB
+
+# Free-text and identifier fields have length caps (characters), checked by the decoder like the
+# array caps above, so a signed message cannot make a receiver keep (and write to disk) a 60 KB name.
+MAX_NAME_CHARS = 64        # a volunteer's display name (client_name)
+MAX_ID_CHARS = 128         # run ids, lease ids, codec names, revisions, finish reasons, reward names
+MAX_PROMPT_ID_CHARS = 256  # prompt ids (dataset-derived)
+MAX_MODEL_CHARS = 256      # base model names / paths, tensor and module names
+MAX_DETAIL_CHARS = 1024    # human-readable detail of an Ack
+# An adapter has at most this many chunks (64 GiB at the default 1 MiB chunk).
+MAX_CHUNKS_PER_ADAPTER = 65536

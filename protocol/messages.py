@@ -9,6 +9,12 @@ Design choices:
   * Arrays travel as raw little-endian bytes (token ids int32, logprobs float32), never as lists of
     Python ints, so decoding allocates about as much as it reads. Tuple fields carry msgspec length
     caps, which the decoder checks on the array header before building any element.
+  * Strings that are names or ids carry length caps too (limits.py), so nothing a peer signs makes the
+    receiver keep an unbounded string.
+  * Decoding never allocates in proportion to element count or nesting before the schema allows it:
+    every sequence is typed and capped (msgspec refuses on the array header), and the one lenient
+    view (`_SchemaProbe`, used to tell a newer schema from garbage) types `schema` as an int, so a
+    list bomb there is refused on its header instead of being built.
   * `decode` = size cap, then msgspec, then schema. Semantic rules live in `validate_*`, which the
     `decode_rollout_batch / decode_manifest / decode_pointer` helpers run. For *any* input bytes the
     only exception that escapes is `ProtocolError`.
@@ -28,8 +34,11 @@ import numpy as np
 from . import limits
 from .errors import ProtocolError, RejectCode
 
-SCHEMA_VERSION = 2  # 2: fields added at the end, with defaults (lease retry_after and renewals, manifest pins
-# tokenizer + stop tokens, receipts, run end, client versions); one schema 2 across the branches that added them
+SCHEMA_VERSION = 2
+"""2 (one schema for every change of this release, across the branches that added them; new fields have
+defaults, at the end): LeaseGrant.retry_after_s, .max_batch_bytes and .renewed; LeaseRequest.renew and
+.client_version; TaskLease.columns; AdapterManifest base/tokenizer pins and stop_token_ids; RolloutBatch.engine_dtype;
+Ack.receipt; AdapterPointer.finished (run end); length caps on names and ids."""
 SHA256_BYTES = 32
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -39,7 +48,12 @@ LOGPROB_TOLERANCE = 1e-4
 
 Dtype = Literal["bf16", "fp16", "fp32"]
 FINISH_REASONS = ("stop", "length")  # Completion.finish_reason; ingest re-derives it (derive_finish_reason)
+EngineDtype = Literal["", "bf16", "fp16", "fp32"]  # "" = not said
 SeqBytes = Annotated[bytes, msgspec.Meta(max_length=_MAX_SEQ_BYTES)]
+Name = Annotated[str, msgspec.Meta(max_length=limits.MAX_NAME_CHARS)]
+Id = Annotated[str, msgspec.Meta(max_length=limits.MAX_ID_CHARS)]
+PromptId = Annotated[str, msgspec.Meta(max_length=limits.MAX_PROMPT_ID_CHARS)]
+ModelName = Annotated[str, msgspec.Meta(max_length=limits.MAX_MODEL_CHARS)]
 
 
 class _Record(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -53,9 +67,10 @@ class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
 
 
 class _SchemaProbe(msgspec.Struct):
-    """Lenient view used only to tell 'newer schema' apart from 'garbage' after a strict decode fails."""
+    """Lenient view used only to tell 'newer schema' apart from 'garbage' after a strict decode fails.
+    `schema` is typed (never Any): a list bomb in it is refused on its header, not built."""
 
-    schema: Any = None
+    schema: int | None = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -63,7 +78,7 @@ class _SchemaProbe(msgspec.Struct):
 
 
 class TensorSpec(_Record):
-    name: str
+    name: ModelName
     dtype: Dtype
     shape: Annotated[tuple[int, ...], msgspec.Meta(max_length=limits.MAX_TENSOR_DIMS)]
 
@@ -76,7 +91,7 @@ class LoraSpec(_Record):
     r: int
     alpha: float
     dropout: float
-    target_modules: Annotated[tuple[str, ...], msgspec.Meta(max_length=256)]
+    target_modules: Annotated[tuple[ModelName, ...], msgspec.Meta(max_length=256)]
 
 
 class SamplingParams(_Record):
@@ -87,12 +102,12 @@ class SamplingParams(_Record):
 
 
 class TaskLease(_Record):
-    lease_id: str
-    prompt_id: str
+    lease_id: Id
+    prompt_id: PromptId
     prompt: str
     prompt_token_ids: SeqBytes  # int32 little-endian
     answer: str
-    reward: str  # name of the reward function the coordinator will re-run
+    reward: Id  # name of the reward function the coordinator will re-run
     group_size: int
     sampling: SamplingParams
     expires_at: float
@@ -105,7 +120,7 @@ class Completion(_Record):
     token_ids: SeqBytes  # int32 little-endian
     logprobs: SeqBytes  # float32 little-endian, one per token, sampling-distribution logprobs
     reward: float
-    finish_reason: str
+    finish_reason: Id
 
     def token_array(self) -> np.ndarray:
         return np.frombuffer(self.token_ids, dtype="<i4").astype(np.int32, copy=False)
@@ -115,8 +130,8 @@ class Completion(_Record):
 
 
 class RolloutGroup(_Record):
-    lease_id: str
-    prompt_id: str
+    lease_id: Id
+    prompt_id: PromptId
     prompt_token_ids: SeqBytes  # int32 little-endian
     completions: Annotated[tuple[Completion, ...], msgspec.Meta(max_length=limits.MAX_COMPLETIONS_PER_GROUP)]
 
@@ -126,19 +141,19 @@ class RolloutGroup(_Record):
 
 
 class AdapterManifest(_Message):
-    run_id: str
+    run_id: Id
     version: int
     parent_version: int | None  # None for a keyframe
     keyframe_version: int
-    base_model: str
-    base_revision: str
+    base_model: ModelName
+    base_revision: Id
     lora: LoraSpec
-    codec: str
+    codec: Id
     tensors: Annotated[tuple[TensorSpec, ...], msgspec.Meta(max_length=limits.MAX_TENSORS_PER_ADAPTER)]
     raw_bytes: int
     compressed_bytes: int
     chunk_bytes: int
-    chunk_hashes: tuple[bytes, ...]  # sha256 of each chunk; count bounded by MAX_MANIFEST_BYTES
+    chunk_hashes: Annotated[tuple[bytes, ...], msgspec.Meta(max_length=limits.MAX_CHUNKS_PER_ADAPTER)]  # sha256 each
     created_at: float
     # schema 2 — the base model pin (models/pinning.py): base_revision is a hub commit sha or a content
     # hash; a volunteer verifies these before it generates and refuses a mismatch (never a strike).
@@ -148,7 +163,7 @@ class AdapterManifest(_Message):
 
 
 class AdapterPointer(_Message):
-    run_id: str
+    run_id: Id
     version: int
     manifest_sha256: bytes
     keyframe_version: int
@@ -157,25 +172,23 @@ class AdapterPointer(_Message):
 
 
 class LeaseRequest(_Message):
-    run_id: str
+    run_id: Id
     max_prompts: int
     adapter_version: int
-    client_name: str
+    client_name: Name
     # schema 2: leases still being worked on; each held one is extended (coordinator/taskboard.py `renew`).
     # A request with max_prompts = 0 only renews.
-    renew: Annotated[tuple[Annotated[str, msgspec.Meta(max_length=128)], ...],
-                     msgspec.Meta(max_length=limits.MAX_GROUPS_PER_BATCH)] = ()
-    client_version: str = ""  # schema 2: the volunteer's asyncrl release (the coordinator's version gate)
+    renew: Annotated[tuple[Id, ...], msgspec.Meta(max_length=limits.MAX_GROUPS_PER_BATCH)] = ()
+    client_version: Id = ""  # schema 2: the volunteer's asyncrl release (the coordinator's version gate)
     # schema 2: leases this volunteer gives back unfinished (it paused: client/polite.py); handled before any grant
-    release: Annotated[tuple[Annotated[str, msgspec.Meta(max_length=128)], ...],
-                       msgspec.Meta(max_length=limits.MAX_GROUPS_PER_BATCH)] = ()
+    release: Annotated[tuple[Id, ...], msgspec.Meta(max_length=limits.MAX_GROUPS_PER_BATCH)] = ()
     # schema 2: this volunteer's measured wall seconds per leased prompt, grant to ack; 0 = not measured.
     # The coordinator refuses TOO_SLOW when even one prompt cannot be back within `lease_budget_s`.
     seconds_per_prompt: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] = 0.0
 
 
 class LeaseRenewal(_Record):
-    lease_id: str
+    lease_id: Id
     expires_in_s: float  # seconds left on the coordinator's clock after this renewal; 0 = gone (do not send it)
 
 
@@ -183,7 +196,7 @@ MAX_RETRY_AFTER_S = 3600.0
 
 
 class LeaseGrant(_Message):
-    run_id: str
+    run_id: Id
     leases: Annotated[tuple[TaskLease, ...], msgspec.Meta(max_length=limits.MAX_GROUPS_PER_BATCH)]
     current_version: int
     # schema 2: with no leases, when to ask again (coordinator/leasing.py FairShare); 0 = the client's own pause
@@ -194,6 +207,7 @@ class LeaseGrant(_Message):
     lease_life_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e7)] = 0.0  # renewals included; 0 = unknown
     max_staleness: Annotated[int, msgspec.Meta(ge=-1)] = -1  # versions; -1 = unlimited
     version_interval_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e7)] = 0.0  # recent s per version; 0 = unknown
+    max_batch_bytes: int = 0  # the largest sealed batch the coordinator accepts (0 = not said); schema 2
 
 
 LEASE_SAFETY = 0.5
@@ -212,19 +226,20 @@ def lease_budget_s(lease_life_s: float, max_staleness: int | None, version_inter
 
 
 class RolloutBatch(_Message):
-    run_id: str
+    run_id: Id
     adapter_version: int
-    client_name: str
+    client_name: Name
     sampling: SamplingParams
     groups: Annotated[tuple[RolloutGroup, ...], msgspec.Meta(max_length=limits.MAX_GROUPS_PER_BATCH)]
     generated_at: float
+    engine_dtype: EngineDtype = ""  # dtype the engine computed the logprobs in (audit tolerance); schema 2
 
 
 class Ack(_Message):
-    batch_id: bytes
+    batch_id: Annotated[bytes, msgspec.Meta(max_length=SHA256_BYTES)]
     accepted: bool
-    code: str | None = None  # a RejectCode value when not accepted
-    detail: str = ""
+    code: Id | None = None  # a RejectCode value when not accepted
+    detail: Annotated[str, msgspec.Meta(max_length=limits.MAX_DETAIL_CHARS)] = ""
     # schema 2: the coordinator-signed Receipt for an accepted batch (protocol/receipts.py); b"" = none
     receipt: Annotated[bytes, msgspec.Meta(max_length=limits.MAX_RECEIPT_BYTES)] = b""
 

@@ -9,7 +9,10 @@ handler, passes one `InboundGate` (shared by all handlers of the node), cheapest
   3. the 8-byte frame header must arrive within `header_timeout_s` (DEADLINE_EXCEEDED);
   4. the announced length is checked against the handler's cap (PAYLOAD_TOO_LARGE) and then *reserved*
      in the node's global in-flight byte budget `max_inflight_bytes` before a body byte is read
-     (RATE_LIMITED when it does not fit: retryable, a volunteer's outbox keeps the batch);
+     (RATE_LIMITED when it does not fit: retryable, a volunteer's outbox keeps the batch). Peers the
+     node vouches for (`trusted(peer)`: the coordinator's volunteers with accepted batches) may use all
+     of it; everyone else together at most `untrusted_share` of it, so a flood from fresh peer ids
+     cannot crowd out the volunteers already contributing;
   5. the body must arrive by `header_timeout_s + length / min_read_bps` (DEADLINE_EXCEEDED): a slow-drip
      stream is cut, its buffer and its reservation freed;
   6. blocking handler work goes to a `BoundedExecutor` — `workers` threads and an explicit queue of
@@ -47,6 +50,8 @@ class InboundLimits:
     """Inbound streams open at once, all peers together."""
     max_inflight_bytes_per_peer: int = 32 * MiB
     """...of which one peer id may hold this much (at least the largest request a handler accepts)."""
+    untrusted_share: float = 0.5
+    """Fraction of max_inflight_bytes that peers without a track record may hold together."""
     max_streams_per_peer: int = 32
     """Inbound streams one peer id may hold open at once (a fetcher long-polls up to 16 chunks of one peer)."""
     header_timeout_s: float = 10.0
@@ -60,7 +65,8 @@ class InboundLimits:
 
     def __post_init__(self):
         if not (self.max_inflight_bytes > 0 and self.max_inflight_bytes_per_peer > 0 and self.max_streams >= 1 and self.max_streams_per_peer >= 1
-                and self.header_timeout_s > 0 and self.min_read_bps > 0 and self.workers >= 1 and self.queue >= 0):
+                and self.header_timeout_s > 0 and self.min_read_bps > 0 and self.workers >= 1 and self.queue >= 0
+                and 0 < self.untrusted_share <= 1):
             raise ValueError(f"invalid inbound limits: {self}")
 
     def body_deadline_s(self, length: int) -> float:
@@ -95,9 +101,11 @@ def _quantile(values, q: float) -> float:
 class InboundGate:
     """The budgets of one node (see the module docstring). Loop-thread only."""
 
-    def __init__(self, limits: InboundLimits | None = None):
+    def __init__(self, limits: InboundLimits | None = None, trusted=None):
         self.limits = limits or InboundLimits()
+        self.trusted = trusted or (lambda peer: False)  # set by the owner (coordinator/access.py) once it exists
         self.inflight_bytes = 0
+        self.untrusted_bytes = 0
         self.streams = 0
         self.by_peer: dict[str, int] = {}        # open streams, only peers that have some
         self.bytes_by_peer: dict[str, int] = {}  # reserved bytes, only peers that have some
@@ -129,16 +137,20 @@ class InboundGate:
         """Hold `nbytes` of the in-flight budget (and of `peer`'s share), or refuse (RATE_LIMITED)."""
         lim = self.limits
         mine = self.bytes_by_peer.get(peer, 0)
-        if self.inflight_bytes + nbytes > lim.max_inflight_bytes or mine + nbytes > lim.max_inflight_bytes_per_peer:
+        stranger = not self.trusted(peer)
+        if (self.inflight_bytes + nbytes > lim.max_inflight_bytes or mine + nbytes > lim.max_inflight_bytes_per_peer
+                or (stranger and self.untrusted_bytes + nbytes > lim.untrusted_share * lim.max_inflight_bytes)):
             self.stats.bytes_refused += 1
             raise ProtocolError(RejectCode.RATE_LIMITED, "busy receiving other requests; retry later")
         self.inflight_bytes += nbytes
+        self.untrusted_bytes += nbytes if stranger else 0
         self.bytes_by_peer[peer] = mine + nbytes
         self.stats.peak_inflight_bytes = max(self.stats.peak_inflight_bytes, self.inflight_bytes)
         try:
             yield
         finally:
             self.inflight_bytes -= nbytes
+            self.untrusted_bytes -= nbytes if stranger else 0
             left = self.bytes_by_peer[peer] - nbytes
             if left:
                 self.bytes_by_peer[peer] = left

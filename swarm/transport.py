@@ -297,6 +297,9 @@ class SwarmNode:
         return await self.executor.run(fn, *args)
 
     async def acall(self, peer_id: str, name: str, request: bytes, *, max_response_bytes: int) -> bytes:
+        """One framed request/response. The answer is read while the request is still being written, so a
+        server that refuses from the frame header (too large, busy, banned) is heard even though it stops
+        reading the body: the caller gets that code, not a broken pipe."""
         from hivemind.p2p import PeerID
         from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure  # p2pd: "could not connect"
 
@@ -307,12 +310,27 @@ class SwarmNode:
             if not await self._dial_via_relays(peer):
                 raise
             _, reader, writer = await self.p2p.call_binary_stream_handler(peer, name)
-        try:
+
+        async def send() -> None:
             writer.write(_frame(request))
             await writer.drain()
-            status = await reader.readexactly(1)
-            body = await _read_frame(reader, max_response_bytes)
+
+        sending = asyncio.ensure_future(send())
+        try:
+            try:
+                status = await reader.readexactly(1)
+                body = await _read_frame(reader, max_response_bytes)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                if sending.done() and sending.exception() is not None:
+                    raise sending.exception() from None  # the write broke first: report that
+                raise
+            if not sending.done():
+                sending.cancel()  # answered before the server read it all (a refusal): stop sending
         finally:
+            if not sending.done():
+                sending.cancel()
+            elif not sending.cancelled():
+                sending.exception()  # retrieved: a broken write after the answer is no error of ours
             writer.close()
         if status[0] == STATUS_ERR:
             code, _, detail = body.decode(errors="replace").partition(":")

@@ -5,7 +5,8 @@
   rewards.py      the reward registry (built-ins + the `asyncrl.rewards` entry points); simple and TRL-style
                   batch rewards, weighted reward specs; `score_group` (both sides), `score`, and
                   `PrintableTable` / `impossible`: re-scoring `exact` without decoding a hopeless completion
-  math_reward.py  the `math` reward: math-verify in a time-limited worker process
+  math_reward.py  the `math` reward: math-verify, each check in its own time-limited worker process;
+                  `Unscorable` (a check that cannot finish is not a score)
   sources.py      `--task` specs: toy, JSONL, Hugging Face datasets; chat templates; `encode_prompt`
 
 Imports neither the coordinator nor the client (tests/test_layering.py): the coordinator re-scores
@@ -13,10 +14,12 @@ with exactly the code the volunteer scored with.
 """
 
 from .prompt import Prompt
+from .math_reward import Unscorable, scoring_for
 from .rewards import (REWARDS, GroupScore, PrintableTable, RewardError, UnknownReward, batch_reward, exact_reward,
                       get_reward, impossible, math_reward, score, score_group, simple_reward)
 from .toy import REPEAT_LEN, REPEAT_LETTERS, TASKS, get_task, repeat_reward, repeat_task
 
 __all__ = ["Prompt", "REWARDS", "GroupScore", "PrintableTable", "RewardError", "batch_reward", "impossible", "score_group",
-           "simple_reward", "UnknownReward", "exact_reward", "get_reward", "math_reward", "score", "REPEAT_LEN",
+           "simple_reward", "Unscorable", "scoring_for", "UnknownReward", "exact_reward", "get_reward", "math_reward",
+           "score", "REPEAT_LEN",
            "REPEAT_LETTERS", "TASKS", "get_task", "repeat_reward", "repeat_task"]

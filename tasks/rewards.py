@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 from asyncrl.protocol import limits
 
+from .math_reward import Unscorable
 from .prompt import Prompt
 from .toy import repeat_reward
 
@@ -348,5 +349,14 @@ def score_group(prompt: Prompt, texts: list[str], completion_ids) -> GroupScore:
 
 
 def score(reward: str, completion: str, answer: str) -> float:
-    """One completion, no dataset columns: `score_group` for a group of one (simple rewards: clamped to [0, 1])."""
-    return score_group(Prompt("", "", answer, reward), [completion], [[]]).rewards[0]
+    """One completion, no dataset columns: `score_group` for a group of one (simple rewards: clamped to [0, 1]).
+
+    A reward that cannot finish — a timeout, a crash, a bug in a plugin, a wrong return value — raises
+    `Unscorable`, never a made-up score: the coordinator then drops the group without blaming the
+    volunteer (docs/SECURITY.md). An unknown reward name stays `UnknownReward` (a configuration error)."""
+    try:
+        return score_group(Prompt("", "", answer, reward), [completion], [[]]).rewards[0]
+    except (Unscorable, UnknownReward):
+        raise
+    except Exception as exc:
+        raise Unscorable(f"reward {reward!r} failed: {exc.__class__.__name__}: {str(exc)[:200]}") from None

@@ -10,7 +10,16 @@ import time
 
 import pytest
 
-from tests.adversarial.swarm import COORDINATOR_FLAGS, AttackRecord, Mallory, Swarm, read_json, wait_for, write_artifact
+from tests.adversarial.swarm import (
+    COORDINATOR_FLAGS,
+    AttackRecord,
+    Mallory,
+    RssSampler,
+    Swarm,
+    read_json,
+    wait_for,
+    write_artifact,
+)
 from tests.conftest import Procs, wait_for_join
 
 
@@ -32,14 +41,16 @@ def swarm(tmp_path_factory):
                                "--seed", str(seed), "--threads", "1", "--duty-cycle", "0.5", "--quiet"])
         s = Swarm(root=root, run=run, join=join, coordinator_pid=coord.pid, honest=honest)
         s.banlist = banlist
+        s.procs = procs  # tests that need another process of their own (a volunteer, a DDP learner)
         wait_for(lambda: all((read_json(d / "status.json") or {}).get("batches_acked", 0) >= 1
                              for d in honest.values()), 300, "alice and bob to get a batch accepted")
         s.start_view = s.honest_view()
+        rss = RssSampler(s)
         yield s
         ended = time.time()  # the books as of after the last attack: trust.json is rewritten every few seconds
         wait_for(lambda: (run / "trust.json").stat().st_mtime > ended, 60, "trust.json written after the last attack")
         final = s.honest_view()
-        write_artifact(s, {"honest_start": s.start_view, "honest_end": final, "trust": s.trust()})
+        write_artifact(s, {"honest_start": s.start_view, "honest_end": final, "trust": s.trust(), **rss.stop()})
     finally:
         procs.reap()
 
@@ -66,5 +77,5 @@ def attack(swarm):
     yield open_record
     lost = swarm.honest_rejections() - before
     for rec in opened:
-        rec.honest_lost = lost
+        rec.honest_lost = lost + rec.honest_extra
     assert lost == 0 and swarm.honest_rejections() == 0, swarm.honest_view()

@@ -34,11 +34,17 @@ def attack_table(data: dict) -> str:
     start, end = data.get("honest_start", {}), data.get("honest_end", {})
     honest = "; ".join(
         f"{name}: {end[name]['acked']} batches acked ({end[name]['acked'] - start.get(name, {}).get('acked', 0)} "
-        f"during the suite), rejected {end[name]['client_rejected'] or '{}'}" for name in sorted(end))
+        f"during the suite), rejected {end[name]['client_rejected'] or '{}'}, quarantined "
+        f"{end[name].get('client_quarantined', 0)}, answered \"later\" and re-sent {end[name].get('client_deferred') or '{}'}"
+        for name in sorted(end))
     audit = (data.get("trust") or {}).get("audit") or {}
     cost = audit.get("cost_fraction_of_learner")
     tail = ["", f"{len(rows)} attack kinds, {sum(r['tried'] for r in rows)} attempts, "
-            f"{sum(r['rejected'] for r in rows)} rejected; honest volunteers — {honest}."]
+            f"{sum(r['rejected'] for r in rows)} rejected; honest batches lost: "
+            f"{sum(r['honest_lost'] for r in rows)}; honest volunteers — {honest}."]
+    if data.get("coordinator_rss_peak"):
+        tail.append(f"Coordinator RSS during the suite: {data['coordinator_rss_start'] / 2**20:.0f} MiB at the start, "
+                    f"peak {data['coordinator_rss_peak'] / 2**20:.0f} MiB (sampled every 0.5 s).")
     if audit:
         tail.append(f"Audit during the suite: {audit.get('audited', 0)} batches audited "
                     f"({audit.get('reused_learner_pass', 0)} on the learner's own forward pass, "

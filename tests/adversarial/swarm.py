@@ -30,6 +30,9 @@ REPO = Path(__file__).resolve().parents[2]
 ARTIFACT = REPO / "tests" / "artifacts" / "adversarial.json"
 RUN_ID = "adv"
 
+MiB = 1024 * 1024
+INBOUND_BYTES, MIN_UPLOAD_BPS = 32 * MiB, 1 * MiB  # strangers together may hold 16 MiB; a body must arrive at 1 MiB/s
+SERVE_NEW_BPS, SERVE_NEW_PEER_BPS, SERVE_BURST = 256 * 1024, 128 * 1024, 4 * MiB
 # The suite's coordinator flags: honest volunteers stay far inside every limit; mallory's floods do not.
 # Leases last 30 s (honest volunteers renew theirs): every attack that dies before its leases are known (a payload
 # that does not decode) pins them, and fresh keys share new_key_share of the room together, so with the 60 s default
@@ -39,10 +42,16 @@ COORDINATOR_FLAGS = ["--run-id", RUN_ID, "--max-steps", "0", "--threads", "1", "
                      "--no-dashboard",
                      "--identity-rate", "40", "--identity-burst", "80", "--peer-rate", "80", "--peer-burst", "160",
                      "--new-identity-rate", "0.5", "--new-identity-burst", "10", "--max-strikes", "3",
-                     "--peer-max-strikes", "10"]
+                     "--peer-max-strikes", "10",
+                     # inbound budgets small enough for the floods below to reach them (honest batches are KBs)
+                     "--inbound-bytes", str(INBOUND_BYTES), "--min-upload-bps", str(MIN_UPLOAD_BPS),
+                     "--serve-new-bps", str(SERVE_NEW_BPS), "--serve-new-peer-bps", str(SERVE_NEW_PEER_BPS)]
 NEW_IDENTITY_BURST, NEW_IDENTITY_RATE = 10, 0.5
 IDENTITY_BURST, IDENTITY_RATE, PEER_BURST = 80, 40.0, 160
 MAX_STRIKES, PEER_MAX_STRIKES = 3, 10
+
+
+NOT_LOST = {"DUPLICATE_BATCH", "RATE_LIMITED", "DEADLINE_EXCEEDED", "INTERNAL", "EXPIRED", "NONCE_REUSED"}
 
 
 def read_json(path: Path) -> dict | None:
@@ -97,16 +106,21 @@ class Swarm:
             st = self.status(name)
             coord = trust["clients"].get(st.get("fingerprint", ""), {})
             out[name] = {"acked": st.get("batches_acked", 0), "client_rejected": st.get("batches_rejected", {}),
+                         "client_quarantined": st.get("batches_quarantined", 0),
+                         "client_deferred": st.get("batches_deferred", {}),
                          "coordinator_accepted": coord.get("accepted", 0), "coordinator_rejected": coord.get("rejected", {}),
                          "versions_loaded": len(set(st.get("versions_loaded", [])))}
         return out
 
     def honest_rejections(self) -> int:
-        """Batches of alice's and bob's that were refused. DUPLICATE_BATCH is not one: it is the repeated
-        ack for a batch already accepted (a retry after a lost ack), which the client then deletes."""
+        """Batches of alice's and bob's that were refused for good (deleted or quarantined by the client).
+        Not counted: DUPLICATE_BATCH (the repeated ack for a batch already accepted, after a lost ack) and
+        the "later" answers (RATE_LIMITED, DEADLINE_EXCEEDED, ...): the client keeps those batches and sends
+        them again (`client_deferred` shows how often), so nothing is lost."""
         return sum(n for v in self.honest_view().values()
                    for book in (v["client_rejected"], v["coordinator_rejected"])
-                   for code, n in book.items() if code != "DUPLICATE_BATCH")
+                   for code, n in book.items() if code not in NOT_LOST) + \
+            sum(v["client_quarantined"] for v in self.honest_view().values())
 
     def verdict(self, batch_id: bytes, timeout: float = 90.0) -> str:
         """The coordinator's final word on an acked batch: "ACCEPTED", or the code of a train-time reject."""
@@ -119,7 +133,7 @@ class Swarm:
                     return v["code"]
             if any(v["code"] == "AUDIT_PASSED" for v in entries):
                 return "ACCEPTED"
-            if any(v["code"] == "ACCEPTED" and v.get("audit") in ("skipped", "stale", "passed", "off") for v in entries):
+            if any(v["code"] == "ACCEPTED" and v.get("audit") in ("skipped", "stale", "passed", "off", "unavailable") for v in entries):
                 return "ACCEPTED"
             return None
         return wait_for(final, timeout, f"the coordinator's verdict on batch {hexid[:12]}", interval=0.5)
@@ -141,6 +155,9 @@ class Swarm:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
         raise AssertionError("no VmRSS")
+
+    def acked(self) -> int:
+        return sum(self.status(name).get("batches_acked", 0) for name in self.honest)
 
 
 class Mallory:
@@ -168,6 +185,63 @@ class Mallory:
         node = SwarmNode(initial_peers=[self.swarm.join])
         self.extra_nodes.append(node)
         return node
+
+    def own_node(self, ident: Identity):
+        """A node whose peer id is `ident`'s key, as a real volunteer's is (its requests are its own)."""
+        import tempfile
+
+        from asyncrl.swarm.transport import SwarmNode
+
+        path = Path(tempfile.mkdtemp(prefix="peer-", dir=self.swarm.root)) / "p2p.identity"
+        ident.write_libp2p_identity(path)
+        node = SwarmNode(initial_peers=[self.swarm.join], identity_path=str(path))
+        assert node.peer_id == ident.peer_id
+        self.extra_nodes.append(node)
+        return node
+
+    def stall(self, name: str, header_length: int, count: int, node=None, *, drip_bps: int = 0,
+              partial_header: bool = False, timeout: float = 60.0) -> list[str]:
+        """Open `count` streams at once, each announcing `header_length` bytes and then sending nothing (or
+        `drip_bps` bytes a second, or only half a header); the code each got back ("CLOSED" when the server
+        hung up without an answer)."""
+        from hivemind.p2p import PeerID
+
+        node = node or self.node
+
+        async def one() -> str:
+            _, reader, writer = await node.p2p.call_binary_stream_handler(
+                PeerID.from_base58(self.swarm.coordinator_peer), stream_name(RUN_ID, name))
+            try:
+                header = header_length.to_bytes(8, "big")
+                writer.write(header[:3] if partial_header else header)
+                await writer.drain()
+                answer = asyncio.ensure_future(reader.readexactly(1))
+                while not answer.done():
+                    if drip_bps:
+                        try:
+                            writer.write(b"x" * drip_bps)
+                            await writer.drain()
+                        except (ConnectionError, OSError):
+                            pass
+                    await asyncio.wait([answer], timeout=1.0)
+                try:
+                    status = answer.result()
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return "CLOSED"
+                length = int.from_bytes(await reader.readexactly(8), "big")
+                body = await reader.readexactly(min(length, 4096))
+                return "OK" if status[0] == 0 else body.decode(errors="replace").partition(":")[0]
+            except (asyncio.IncompleteReadError, ConnectionError, OSError):
+                return "CLOSED"
+            finally:
+                try:
+                    writer.close()
+                except Exception:
+                    pass
+
+        async def all_of():
+            return await asyncio.wait_for(asyncio.gather(*(one() for _ in range(count))), timeout)
+        return list(node.loops.run(all_of(), timeout=timeout + 30))
 
     def follow(self, at_least: int = 0, timeout: float = 120.0):
         """The newest adapter (verified like any volunteer does), loaded into her engine.
@@ -346,11 +420,34 @@ class AttackRecord:
     codes: dict = field(default_factory=dict)
     honest_lost: int = 0
     note: str = ""
+    honest_extra: int = 0  # honest batches lost outside alice's and bob's books (a test's own honest volunteer)
 
     def saw(self, code: str, rejected: bool = True) -> None:
         self.tried += 1
         self.rejected += int(rejected)
         self.codes[code] = self.codes.get(code, 0) + 1
+
+
+class RssSampler:
+    """The coordinator's peak RSS during the suite (sampled from /proc every 0.5 s on a daemon thread)."""
+
+    def __init__(self, swarm: Swarm):
+        import threading
+
+        self.swarm, self.peak, self.start = swarm, 0, swarm.rss_bytes()
+        self._stop = threading.Event()
+        threading.Thread(target=self._loop, name="rss-sampler", daemon=True).start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.5):
+            try:
+                self.peak = max(self.peak, self.swarm.rss_bytes())
+            except (OSError, AssertionError):
+                return
+
+    def stop(self) -> dict:
+        self._stop.set()
+        return {"coordinator_rss_start": self.start, "coordinator_rss_peak": max(self.peak, self.start)}
 
 
 def write_artifact(swarm: Swarm, extra: dict) -> None:

@@ -74,8 +74,8 @@ def test_request_flood_from_one_key(mallory, swarm, attack):
     n = 3 * IDENTITY_BURST
     rec = attack("request flood", f"{n} lease requests from one key at once",
                  note=f"requests beyond identity_burst={IDENTITY_BURST} are tried/rejected")
-    node = mallory.new_node()
     ident = Identity.generate()
+    node = mallory.own_node(ident)  # from the key's own peer id (copies from other peers are charged to them)
     wait_for(lambda: lease_burst(mallory, node, [ident])[0] == ["OK"], 60, "a first contact")
     codes, seconds = lease_burst(mallory, node, [ident] * n)
     assert set(codes) <= {"OK", "RATE_LIMITED", "DROPPED"}, codes

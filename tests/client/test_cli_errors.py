@@ -33,6 +33,11 @@ def test_closed_port_is_one_line_error(free_port):
     assert "cannot reach" in r.stderr
 
 
+def test_overlong_name_is_refused_before_anything_starts():
+    r = run_client("join", f"/ip4/127.0.0.1/tcp/1/p2p/{PEER}", "--name", "n" * 65)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--name" in r.stderr
+
+
 def test_help_imports_nothing_heavy():
     """`--help` answers without torch, hivemind or transformers (what made it slow); how fast that is on a
     given machine is a benchmark's business, not a unit test's."""

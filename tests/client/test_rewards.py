@@ -20,12 +20,27 @@ def test_math_reward_verifies_equivalent_answers():
     assert tasks.score("math", "no number here", "4") == 0.0
 
 
-def test_math_reward_time_limit_scores_zero_and_recovers():
-    from asyncrl.tasks.math_reward import math_reward
+def test_math_reward_time_limit_is_unscorable_and_recovers():
+    from asyncrl.tasks.math_reward import VerifierPool
 
-    # A tiny limit forces the timeout path (worker killed, 0 credit); the next call gets a fresh worker.
-    assert math_reward("$2^{2^{2^{2^{2}}}}$", "1", timeout_s=0.001) == 0.0
-    assert math_reward("the answer is $4$", "4") == 1.0
+    pool = VerifierPool(timeout_s=0.001, workers=1)  # a tiny limit forces the timeout path: worker killed
+    try:
+        with pytest.raises(tasks.Unscorable):
+            pool.score("$2^{2^{2^{2^{2}}}}$", "1")
+        pool.timeout_s = 60.0
+        assert pool.score("the answer is $4$", "4") == 1.0  # a fresh worker took its place
+        assert pool.stats["killed"] == 1
+    finally:
+        pool.close()
+
+
+def test_a_failing_reward_plugin_is_unscorable_not_zero(monkeypatch):
+    def broken(completion, answer):
+        raise RuntimeError("plugin bug")
+
+    monkeypatch.setitem(tasks.REWARDS, "broken", broken)
+    with pytest.raises(tasks.Unscorable):
+        tasks.score("broken", "x", "y")
 
 
 def test_unknown_reward_is_a_clear_error():

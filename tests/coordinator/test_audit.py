@@ -26,7 +26,7 @@ class Verdicts:
     def __init__(self):
         self.seen: list[tuple[bytes, RejectCode | None, str]] = []
 
-    def __call__(self, batch_id, signer, code, stage):
+    def __call__(self, batch_id, signer, code, stage, strike=True):
         self.seen.append((batch_id, code, stage))
 
 
@@ -111,9 +111,12 @@ def test_ingest_time_audit_of_an_older_version(setup):
         auditor.check(b"s", b"wrong", 1, [TrainGroup(g.prompt_ids, g.completions, g.sampling_logprobs, g.rewards, 1)
                                           for g in old], valid_streak=0, current_version=2)
     assert e.value.code is RejectCode.LOGPROB_MISMATCH
-    with pytest.raises(ProtocolError) as e:
-        auditor.check(b"s", b"gone", 99, old, valid_streak=0, current_version=100)
+    with pytest.raises(ProtocolError) as e:  # older than the versions kept: refused as stale
+        auditor.check(b"s", b"gone", 99, old, valid_streak=0, current_version=200)
     assert e.value.code is RejectCode.STALE_VERSION
+    lost = auditor.stats["unavailable"]  # inside the kept window but not held (our loss): accepted, counted
+    assert auditor.check(b"s", b"lost", 99, old, valid_streak=0, current_version=100) == "unavailable"
+    assert auditor.stats["unavailable"] == lost + 1
 
 
 def test_failing_batch_is_dropped_before_its_gradient(setup):
@@ -185,3 +188,44 @@ def test_a_deferred_batch_is_rejected_only_on_the_published_tensors(setup):
         auditor.tolerance = old_tol
     assert sorted(verdicts.seen) == [(b"h3", None, "train"), (b"m3", RejectCode.LOGPROB_MISMATCH, "train")]
     assert auditor.stats["shadow_confirms"] == confirms + 2 and result.groups_used == len(honest)
+def test_a_restarted_auditor_checks_against_the_versions_it_kept_on_disk(setup, tmp_path):
+    learner, _, engine, _, _ = setup
+    verdicts = Verdicts()
+    before = Auditor(learner, tolerance=0.01, keep_versions=3, store_dir=tmp_path / "audit_versions")
+    specs, blobs = export_lora(learner.model, "bf16")
+    v = 1000 + learner.version  # a version of its own, generated with by the engine below
+    engine.load_adapter(v, specs, blobs)
+    before.remember_published(v, specs, blobs, learner.steps)
+    honest, liar = honest_groups(learner, engine, seed=11), forged(honest_groups(learner, engine, seed=12))
+    for i in range(1, 4):  # newer versions push the oldest file out: the directory holds what memory holds
+        before.remember_published(v + i, specs, blobs, learner.steps)
+    assert sorted(p.name for p in (tmp_path / "audit_versions").iterdir()) == [
+        f"v{x:010d}.safetensors" for x in (v + 1, v + 2, v + 3)]
+    before.remember_published(v, specs, blobs, learner.steps)  # v again (v + 1 goes): the three kept are on disk
+
+    after = Auditor(learner, tolerance=0.01, keep_versions=4, store_dir=tmp_path / "audit_versions",
+                    on_verdict=verdicts)  # a resumed coordinator
+    assert after.load_persisted() == 3 and after.held_versions() == [v, v + 2, v + 3]
+    assert not after._weights_are(v)  # never mistaken for the learner's weights
+    assert after.check(b"s", b"spooled", v, honest, valid_streak=0, current_version=v + 4) == "passed"
+    with pytest.raises(ProtocolError) as e:
+        after.check(b"s", b"forged", v, liar, valid_streak=0, current_version=v + 4)
+    assert e.value.code is RejectCode.LOGPROB_MISMATCH
+
+    # A journal replay whose train-time audit was pending at the crash: audited, not trained unaudited.
+    replayed = honest_groups(learner, engine, seed=13) + liar
+    for g in replayed:
+        g.version = v
+    for g in replayed[:-len(liar)]:
+        g.batch_id, g.audit = b"ok", True
+    for g in liar:
+        g.batch_id, g.audit = b"bad", True
+    after.expect(b"ok", b"alice")
+    after.expect(b"bad", b"mallory")
+    hook, learner.audit_hook = learner.audit_hook, after.train_hook
+    try:
+        result = learner.step(replayed)
+    finally:
+        learner.audit_hook = hook
+    assert result is not None and result.groups_used == len(replayed) - len(liar)
+    assert sorted(verdicts.seen[-2:]) == [(b"bad", RejectCode.LOGPROB_MISMATCH, "train"), (b"ok", None, "train")]

@@ -38,10 +38,11 @@ def tokenizer():
     return tinymodel.build_tokenizer()
 
 
-def make_ingest(tokenizer, access=None):
+def make_ingest(tokenizer, access=None, seen_path=None, journal=None):
     board = TaskBoard(tasks.get_task("repeat", 0), lease_timeout_s=60, max_leases_per_client=8)
     return Ingest(identity_public_key=COORD.public_key, run_id="r", board=board, tokenizer=tokenizer, vocab_size=64,
-                  current_version=lambda: 0, max_batch_bytes=1 << 20, window_s=300, access=access, sampling=SAMPLING)
+                  current_version=lambda: 0, max_batch_bytes=1 << 20, window_s=300, access=access, sampling=SAMPLING,
+                  seen_path=seen_path, journal=journal)
 
 
 def sealed_batch(ingest, tokenizer, who=ALICE) -> bytes:
@@ -100,13 +101,15 @@ def test_lies_strike_the_signer(tokenizer):
     assert ingest.handle(sealed).code == "NOT_ALLOWED"
 
 
-def test_replay_state_survives_a_restart(tokenizer):
-    ingest = make_ingest(tokenizer)
+def test_replay_state_survives_a_restart(tokenizer, tmp_path):
+    ingest = make_ingest(tokenizer, seen_path=tmp_path / "seen_ids.log")
     sealed = sealed_batch(ingest, tokenizer)
     refused = envelope.seal(ALICE, "rollout_batch", b"\x80", audience=COORD.public_key)
     assert ingest.handle(sealed).accepted and ingest.handle(refused).code == "MALFORMED"
-    restarted = make_ingest(tokenizer)
+    assert ingest.save_seen() == 1 and ingest.save_seen() == 0  # incremental: only the new ids are written
+    restarted = make_ingest(tokenizer, seen_path=tmp_path / "seen_ids.log")
     restarted.load_state(ingest.state_bytes())
+    assert restarted.seen.load() == 1
     assert restarted.handle(sealed).code == "DUPLICATE_BATCH"
     assert restarted.handle(refused).code == "NONCE_REUSED"
     with pytest.raises(Exception):

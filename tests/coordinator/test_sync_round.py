@@ -56,7 +56,7 @@ def deliver(ingest: Ingest, board: TaskBoard, signer: bytes, leases, version: in
     ingest.queue.put_nowait(item)
     with ingest.lock:
         ingest.queued_groups += len(groups)
-        ingest.accepted_log.append(item)
+        ingest.log_accepted(item)
 
 
 def signers(items) -> set[str]:

@@ -36,7 +36,7 @@ def test_killed_after_spool_is_accepted_exactly_once(procs, tmp_path):
                       "the volunteer to spool its first batch")
     procs.signal(victim, signal.SIGKILL)
     victim.wait(10)
-    spooled = list((data / "outbox").glob("*.batch"))
+    spooled = list((data / "outbox").glob("*.payload"))
     assert [p.stem for p in spooled] == [paused], "the spooled batch must survive SIGKILL"
     assert paused not in {e["batch_id"] for e in _batch_events(run)}, "nothing was uploaded before the kill"
 
@@ -44,7 +44,7 @@ def test_killed_after_spool_is_accepted_exactly_once(procs, tmp_path):
     again = procs.start("alice-2", args + ["--max-batches", "3"])
     again.wait(240)
     assert again.returncode == 0, again.log_path.read_text()[-2000:]
-    assert not list((data / "outbox").glob("*.batch")), "acked batches are deleted from the outbox"
+    assert not list((data / "outbox").glob("*.payload")), "acked batches are deleted from the outbox"
     wait_for(lambda: paused in {e["batch_id"] for e in _batch_events(run)}, 60, "the learner to log the batch")
     procs.signal(coord, signal.SIGTERM)
     coord.wait(180)

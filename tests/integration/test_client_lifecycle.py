@@ -46,7 +46,7 @@ def test_first_ctrl_c_finishes_and_flushes(procs, coordinator, tmp_path):
              ["batches_acked"] >= 1, 300, "bob's first acked batch")
     procs.signal(bob, signal.SIGINT)
     assert bob.wait(120) == 0, bob.log_path.read_text()[-2000:]
-    assert not list((data / "outbox").glob("*.batch")), "a clean stop uploads everything it generated"
+    assert not list((data / "outbox").glob("*.payload")), "a clean stop uploads everything it generated"
     status = json.loads((data / "status.json").read_text())
     assert status["batches_rejected"] == {}
     # every ack carried a receipt signed by the join address's key, and each one is in the ledger

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from asyncrl.protocol import envelope, messages
+from asyncrl.protocol import messages
 
 from tests.conftest import wait_for, wait_for_join
 
@@ -38,9 +38,8 @@ def test_killed_volunteers_prompts_are_released_and_trained(procs, tmp_path):
     wait_for(lambda: (victim_dir / "FAULT_PAUSED").exists(), 240, "the victim to finish generating")
     procs.signal(victim, signal.SIGKILL)
     victim.wait(10)
-    spooled = next((victim_dir / "outbox").glob("*.batch")).read_bytes()
-    opened = envelope.open_envelope(spooled, max_bytes=1 << 20, expected_kind="rollout_batch", expected_audience=None)
-    lost = {g.prompt_id for g in messages.decode_rollout_batch(opened.payload, max_bytes=1 << 20).groups}
+    spooled = next((victim_dir / "outbox").glob("*.payload")).read_bytes()  # the payload: sealed at upload
+    lost = {g.prompt_id for g in messages.decode_rollout_batch(spooled, max_bytes=1 << 20).groups}
     assert len(lost) == 2
 
     procs.start("survivor", [*args, "--name", "survivor", "--data-dir", str(tmp_path / "survivor")])

@@ -1,6 +1,8 @@
 """Coordinator SIGKILL + `--resume`: same identity and port, the version lineage continues, connected
-volunteers carry on, and no batch is trained twice (each trained batch id is in a `step` event; steps
-after the checkpoint that the crash rolled back do not count)."""
+volunteers carry on; no batch is trained twice (at-most-once: each trained batch id is in one `step`
+event of the final lineage; steps after the checkpoint that the crash rolled back do not count) and
+none is lost (at-least-once: every batch a volunteer got an ack for — and so deleted — is trained or
+explicitly dropped in the final lineage, or still durable in the journal / the final checkpoint's queue)."""
 
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ def test_coordinator_killed_and_resumed(procs, tmp_path, free_port):
     join = wait_for_join(run, 180)
     for i in range(2):
         procs.start(f"vol-{i}", ["-m", "asyncrl.client.cli", "join", join, "--name", f"vol-{i}", "--threads", "1",
-                                 "--data-dir", str(tmp_path / f"vol-{i}"), "--seed", str(i)])
+                                 "--data-dir", str(tmp_path / f"vol-{i}"), "--seed", str(i), "--json-logs"])
     wait_for(lambda: sum(e["event"] == "step" for e in _events(run)) >= 4
              and any(e["event"] == "checkpoint" for e in _events(run)), 300, "4 steps and a checkpoint")
     procs.signal(first, signal.SIGKILL)
@@ -77,3 +79,21 @@ def test_coordinator_killed_and_resumed(procs, tmp_path, free_port):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["trainer_steps"] >= resume["from_step"] + 4
     assert summary["leases_balanced"], summary["leases"]
+
+    # at-least-once: what the volunteers were told was acked (they deleted those copies) exists somewhere
+    acked = set()
+    for i in range(2):
+        for line in (tmp_path / f"vol-{i}.log").read_text().splitlines():
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if ev.get("event") == "acked":
+                acked.add(ev["batch_id"])
+    assert len(acked) >= 8
+    final_ckpt = max((run / "checkpoints").glob("step-*"))
+    raw = (final_ckpt / "pending_ids.bin").read_bytes()
+    still_queued = {raw[i:i + 32].hex() for i in range(0, len(raw), 32)}
+    journalled = {p.stem for p in (run / "journal").glob("*.entry")}
+    lost = acked - set(consumed) - still_queued - journalled
+    assert not lost, f"{len(lost)} acked batches are nowhere: {sorted(lost)[:3]}"

@@ -362,3 +362,53 @@ def test_unknown_finish_reason_string_is_malformed():
     c = completion()
     bad = batch(groups=group_with(Completion(c.token_ids, c.logprobs, 0.5, "eos")))
     assert code_of(validate_rollout_batch, bad) is RejectCode.MALFORMED
+
+
+# ---- decoding bombs and length caps (schema 2) ---------------------------------------------------------
+BOMB = [[]] * 1_000_000  # 1 MB of msgpack that would become a million Python lists
+
+
+@pytest.mark.parametrize("where", ["schema", "groups", "unknown", "nested", "sampling"])
+def test_a_list_bomb_is_refused_from_its_header_without_building_it(where):
+    import tracemalloc
+
+    raw = msgspec.to_builtins(batch())
+    if where == "nested":
+        raw["groups"][0]["completions"] = BOMB
+    elif where == "unknown":
+        raw["zzz"] = BOMB
+    elif where == "sampling":
+        raw["sampling"]["top_k"] = BOMB
+    else:
+        raw[where] = BOMB
+    data = msgspec.msgpack.encode(raw)
+    tracemalloc.start()
+    try:
+        code = code_of(decode_rollout_batch, data, max_bytes=BIG)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert code in (RejectCode.MALFORMED, RejectCode.UNSUPPORTED_VERSION)
+    assert peak < len(data) // 4, f"decoding allocated {peak} bytes for a {len(data)}-byte bomb"
+
+
+def test_names_and_ids_have_length_caps():
+    long_name = LeaseRequest(run_id="run", max_prompts=1, adapter_version=0, client_name="x" * 60_000)
+    assert code_of(decode, encode(long_name), LeaseRequest, max_bytes=BIG) is RejectCode.MALFORMED
+    ok = LeaseRequest(run_id="run", max_prompts=1, adapter_version=0, client_name="x" * limits.MAX_NAME_CHARS)
+    assert decode(encode(ok), LeaseRequest, max_bytes=BIG).client_name == ok.client_name
+    assert code_of(decode_rollout_batch, encode(batch(client_name="y" * 65)), max_bytes=BIG) is RejectCode.MALFORMED
+    assert code_of(decode_rollout_batch, encode(batch(run_id="r" * 200)), max_bytes=BIG) is RejectCode.MALFORMED
+    long_reason = (RolloutGroup("lease-1", "p-1", ids(1), (Completion(ids(5), lps(-1.0), 1.0, "s" * 500),)),)
+    assert code_of(decode_rollout_batch, encode(batch(groups=long_reason)), max_bytes=BIG) is RejectCode.MALFORMED
+
+
+def test_schema_2_fields_default_and_round_trip():
+    assert SCHEMA_VERSION == 2
+    grant = LeaseGrant(run_id="run", leases=(), current_version=3)
+    assert grant.max_batch_bytes == 0 and batch().engine_dtype == ""
+    got = decode(encode(LeaseGrant(run_id="run", leases=(), current_version=3, max_batch_bytes=1 << 20)), LeaseGrant,
+                 max_bytes=BIG)
+    assert got.max_batch_bytes == 1 << 20
+    assert decode_rollout_batch(encode(batch(engine_dtype="bf16")), max_bytes=BIG).engine_dtype == "bf16"
+    assert code_of(decode_rollout_batch, encode(batch(engine_dtype="int4")), max_bytes=BIG) is RejectCode.MALFORMED

@@ -101,7 +101,7 @@ def test_slow_header_and_slow_drip_body_are_cut():
 
 
 def test_global_byte_budget_and_per_peer_share_refuse_before_reading():
-    gate = InboundGate(InboundLimits(max_inflight_bytes=1000, max_inflight_bytes_per_peer=600))
+    gate = InboundGate(InboundLimits(max_inflight_bytes=1000, max_inflight_bytes_per_peer=600, untrusted_share=1.0))
 
     async def go():
         hold = asyncio.Event()
@@ -190,3 +190,16 @@ def test_serve_budget_favours_trusted_peers_and_caps_strangers_together():
     assert refused == 25  # burst (10 requests) + at most 0.5 s of waiting (5): the shared rate held
     assert budget.bytes_strangers == 1_500_000
     assert trusted_wait < 0.1 and budget.bytes_trusted == 5_000_000
+
+
+def test_peers_without_a_track_record_share_only_part_of_the_budget():
+    gate = InboundGate(InboundLimits(max_inflight_bytes=1000, max_inflight_bytes_per_peer=400, untrusted_share=0.5),
+                       trusted=lambda peer: peer.startswith("volunteer"))
+    with gate.reserve("fresh-1", 300), gate.reserve("fresh-2", 200):
+        with pytest.raises(ProtocolError) as exc:  # strangers together: 500 of 1000 already
+            with gate.reserve("fresh-3", 1):
+                pass
+        assert exc.value.code is RejectCode.RATE_LIMITED
+        with gate.reserve("volunteer-a", 400), gate.reserve("volunteer-b", 100):  # the rest is theirs
+            assert gate.inflight_bytes == 1000
+    assert gate.inflight_bytes == 0 and gate.untrusted_bytes == 0 and not gate.bytes_by_peer

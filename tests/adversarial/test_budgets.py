@@ -1,0 +1,162 @@
+"""mallory vs the inbound budgets (swarm/inbound.py, swarm/serving.py ServeBudget, protocol/messages.py caps):
+many fresh peer ids holding stalled uploads, slow-drip streams, draining the coordinator's adapter uplink,
+a signed msgpack list bomb and an oversized name. alice and bob keep contributing throughout."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import pytest
+
+from asyncrl.protocol import envelope, messages
+from asyncrl.protocol.errors import ProtocolError
+from asyncrl.protocol.identity import Identity
+from asyncrl.swarm.serving import chunk_request
+from asyncrl.swarm.streams import stream_name
+
+from tests.adversarial.swarm import (
+    INBOUND_BYTES,
+    MIN_UPLOAD_BPS,
+    RUN_ID,
+    SERVE_BURST,
+    SERVE_NEW_BPS,
+    MiB,
+    wait_for,
+)
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def strangers(mallory):
+    """Three fresh peer ids of mallory's (peer ids are free to mint)."""
+    return [mallory.new_node() for _ in range(3)]
+
+
+def test_many_peer_ids_cannot_hold_the_byte_budget(mallory, swarm, strangers, attack):
+    per_stream, streams = 4 * MiB, 6
+    rec = attack("many peer ids flooding", f"{len(strangers)} fresh peer ids each open {streams} uploads announcing "
+                 f"{per_stream // MiB} MiB and stall", note=f"peers without accepted batches may hold "
+                 f"{INBOUND_BYTES // 2 // MiB} MiB together; the admitted streams are cut at their deadline")
+    rss0, acked0 = swarm.rss_bytes(), swarm.acked()
+    results: dict[int, list[str]] = {}
+
+    def flood(i, node):
+        results[i] = mallory.stall("submit", per_stream, streams, node, timeout=90)
+
+    import threading
+
+    threads = [threading.Thread(target=flood, args=(i, n)) for i, n in enumerate(strangers)]
+    for t in threads:
+        t.start()
+    # While the flood holds what it can, the volunteers already contributing keep being accepted.
+    wait_for(lambda: swarm.acked() >= acked0 + 3, 60, "alice and bob to be acked during the flood")
+    for t in threads:
+        t.join(120)
+    codes = [c for r in results.values() for c in r]
+    assert len(codes) == len(strangers) * streams and set(codes) <= {"RATE_LIMITED", "DEADLINE_EXCEEDED"}, codes
+    admitted = codes.count("DEADLINE_EXCEEDED")
+    assert admitted * per_stream <= INBOUND_BYTES // 2, codes  # never more than the strangers' share, all ids together
+    assert codes.count("RATE_LIMITED") >= len(codes) - INBOUND_BYTES // 2 // per_stream
+    for c in codes:
+        rec.saw(c)
+    assert swarm.rss_bytes() - rss0 < 64 * MiB
+
+
+def test_slow_drip_and_stalled_headers_are_cut(mallory, swarm, strangers, attack):
+    body = 1 * MiB
+    deadline = 10 + body / MIN_UPLOAD_BPS
+    rec = attack("slow-drip streams", f"uploads announcing {body // MiB} MiB sent at 1 KiB/s, and streams that send "
+                 "half a frame header and stop", note=f"cut at their deadline (10 s + length / {MIN_UPLOAD_BPS // 1024} "
+                 "KiB/s); nothing of theirs is kept")
+    t0 = time.monotonic()
+    drips = mallory.stall("submit", body, 4, strangers[0], drip_bps=1024, timeout=deadline + 30)
+    stalled = mallory.stall("lease", 100, 4, strangers[1], partial_header=True, timeout=40)
+    took = time.monotonic() - t0
+    assert drips == ["DEADLINE_EXCEEDED"] * 4 and stalled == ["DEADLINE_EXCEEDED"] * 4, (drips, stalled)
+    assert took < deadline + 25  # held no longer than their deadlines (the two groups ran one after the other)
+    for c in drips + stalled:
+        rec.saw(c)
+
+
+def test_chunk_drain_gets_only_the_strangers_rate(mallory, swarm, strangers, attack):
+    window_s = 12.0
+    rec = attack("chunk drain", f"{len(strangers)} fresh peer ids fetch the adapter's chunks from the coordinator "
+                 f"as fast as they can for {window_s:.0f} s", note=f"peers without accepted batches share "
+                 f"{SERVE_NEW_BPS // 1024} KiB/s (+ a {SERVE_BURST // MiB} MiB burst); refusals are tried/rejected")
+    current = mallory.follow()
+    manifest = current.manifest
+    versions0 = {n: swarm.status(n).get("versions_loaded", [])[-1:] for n in swarm.honest}
+    got = {"bytes": 0, "refused": 0, "ok": 0}
+
+    async def drain(node):
+        deadline = time.monotonic() + window_s
+        i = 0
+        while time.monotonic() < deadline:
+            try:
+                data = await node.acall(swarm.coordinator_peer, stream_name(RUN_ID, "chunk"),
+                                        chunk_request(manifest.version, i % len(manifest.chunk_hashes)),
+                                        max_response_bytes=manifest.chunk_bytes)
+                got["bytes"] += len(data)
+                got["ok"] += 1
+            except ProtocolError as exc:
+                if exc.code.value == "STALE_VERSION":  # a newer version pruned this one: ask for the newest
+                    return
+                got["refused"] += 1
+                rec.saw(exc.code.value)
+            i += 1
+
+    def run(node):
+        async def four():
+            await asyncio.gather(*(drain(node) for _ in range(4)))
+        node.loops.run(four(), timeout=window_s + 60)
+
+    import threading
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=run, args=(n,)) for n in strangers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(window_s + 90)
+    elapsed = time.monotonic() - t0
+    bound = SERVE_BURST + SERVE_NEW_BPS * elapsed + manifest.chunk_bytes
+    assert got["bytes"] <= bound, (got, bound)
+    assert got["refused"] > 0 and set(rec.codes) <= {"RATE_LIMITED"}, rec.codes
+    # The volunteers (keys with accepted batches) are not behind the strangers' rate: they keep following.
+    wait_for(lambda: all(swarm.status(n).get("versions_loaded", [])[-1:] != versions0[n] for n in swarm.honest), 90,
+             "alice and bob to load a newer adapter after the drain")
+    rec.note += f"; drained {got['bytes'] / MiB:.1f} MiB in {elapsed:.0f} s (bound {bound / MiB:.1f} MiB)"
+
+
+def test_a_signed_list_bomb_is_refused_from_its_header(mallory, swarm, attack):
+    rec = attack("msgpack list bomb", "a correctly signed batch whose payload's schema field is a list of 2 million "
+                 "empty lists (~2 MB that would become 2M Python objects)", note="coordinator RSS growth measured")
+    ident = Identity.generate()
+    mallory.lease(ident, 1)  # a key the coordinator has seen, so only the bomb is judged
+    rss0 = swarm.rss_bytes()
+    for where in ("schema", "groups"):
+        raw = msgspec.to_builtins(mallory.batch([], 0))
+        raw[where] = [[]] * 2_000_000
+        t0 = time.monotonic()
+        code, _ = mallory.submit(mallory.seal(ident, msgspec.msgpack.encode(raw)))
+        assert code == "MALFORMED" and time.monotonic() - t0 < 20, code
+        rec.saw(code)
+    grew = swarm.rss_bytes() - rss0
+    assert grew < 32 * MiB, grew
+    rec.note += f" (RSS growth {grew / MiB:.1f} MiB)"
+
+
+def test_an_oversized_name_is_refused(mallory, swarm, attack):
+    rec = attack("oversized free text", "a signed lease request whose client_name is 60 KB (it used to be kept and "
+                 "written to trust.json on every save)")
+    ident = Identity.generate()
+    req = messages.LeaseRequest(run_id=RUN_ID, max_prompts=1, adapter_version=0, client_name="m" * 60_000)
+    sealed = envelope.seal(ident, "lease_request", messages.encode(req), audience=swarm.coordinator_key)
+    with pytest.raises(ProtocolError) as exc:
+        mallory.call("lease", sealed)
+    rec.saw(exc.value.code.value)
+    assert exc.value.code.value == "MALFORMED"
+    assert all(len(c.get("name", "")) <= 64 for c in swarm.trust()["clients"].values())

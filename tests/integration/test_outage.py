@@ -1,0 +1,93 @@
+"""Batches outlive an outage longer than the coordinator's timestamp window (real processes).
+
+A volunteer spools batches it cannot upload (test-only fault `hold-uploads`: it keeps working while the
+file HOLD_UPLOADS exists), the coordinator is stopped (its final checkpoint holds the leases), stays down
+for more than `--timestamp-window-s`, and comes back with `--resume`. The volunteer seals each batch when
+it uploads it, so nothing is EXPIRED: every batch it spooled is acked and then trained or explicitly
+dropped as stale (a `step` / `dropped` record names its id), none is deleted unread, and the lease books
+balance.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+
+from tests.conftest import wait_for, wait_for_join
+
+pytestmark = pytest.mark.integration
+
+WINDOW_S = 4.0
+
+
+def _events(run):
+    path = run / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _status(d):
+    try:
+        return json.loads((d / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _volunteer_events(log):
+    out = []
+    for line in log.read_text().splitlines() if log.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def test_spooled_batches_survive_an_outage_longer_than_the_window(procs, tmp_path, free_port):
+    run, vol = tmp_path / "run", tmp_path / "vol"
+    coord_args = ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny", "--run-dir", str(run), "--no-dashboard",
+                  "--port", str(free_port), "--max-steps", "0", "--threads", "1", "--checkpoint-every", "0",
+                  "--groups-per-step", "4", "--min-groups", "1", "--max-wait-s", "1", "--lease-timeout-s", "600",
+                  "--timestamp-window-s", str(WINDOW_S), "--group-size", "4", "--max-inflight-groups", "16"]
+    first = procs.start("coordinator-1", coord_args)
+    join = wait_for_join(run, 180)
+    vol.mkdir()
+    (vol / "HOLD_UPLOADS").write_text("the test releases uploads after the outage\n")
+    volunteer = procs.start("vol", ["-m", "asyncrl.client.cli", "join", join, "--name", "vol", "--threads", "1",
+                                    "--data-dir", str(vol), "--prompts-per-batch", "2", "--json-logs"],
+                            env={"ASYNCRL_FAULT": "hold-uploads"})
+    # It holds every lease it may (8 prompts = 4 batches of 2) and spools them all.
+    wait_for(lambda: _status(vol).get("outbox", 0) >= 4, 300, "the volunteer to spool 4 batches")
+    spooled = set(_status(vol)["outbox_pending"])
+    assert len(spooled) == 4
+
+    procs.signal(first, signal.SIGTERM)  # the final checkpoint keeps the 8 outstanding leases
+    assert first.wait(120) == 0, first.log_path.read_text()[-3000:]
+    down_at = time.time()
+    # Down for longer than the window: each spooled batch is now far older than any envelope it may send.
+    wait_for(lambda: time.time() - down_at > 2 * WINDOW_S, 60, "the outage to outlast the timestamp window")
+    (vol / "HOLD_UPLOADS").unlink()
+    second = procs.start("coordinator-2", [*coord_args, "--resume"])
+
+    def trained_or_dropped():
+        events = _events(run)
+        done = {i for e in events if e["event"] in ("step", "dropped") for i in e["batch_ids"]}
+        return spooled <= done and done
+
+    consumed = wait_for(trained_or_dropped, 300, "every spooled batch trained or dropped after the resume")
+    procs.signal(second, signal.SIGTERM)
+    assert second.wait(120) == 0, second.log_path.read_text()[-3000:]
+    procs.signal(volunteer, signal.SIGTERM)
+    volunteer.wait(60)
+
+    events = _volunteer_events(volunteer.log_path)
+    acked = {e["batch_id"] for e in events if e["event"] == "acked"}
+    assert spooled <= acked  # none deleted unread: each one was answered with an ack
+    st = _status(vol)
+    assert "EXPIRED" not in st["batches_rejected"] and "EXPIRED" not in st["batches_deferred"]
+    assert st["batches_rejected"] == {} and st["batches_quarantined"] == 0 and st["outbox"] == 0
+    assert spooled <= consumed
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["leases_balanced"], summary["leases"]
