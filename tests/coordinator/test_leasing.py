@@ -53,7 +53,11 @@ def request(volunteer: Identity, coordinator: Identity, want: int, *, run=RUN, n
 
 
 def grant(desk, data: bytes) -> messages.LeaseGrant:
-    return messages.decode(desk.handle(data, peer="p"), messages.LeaseGrant, max_bytes=1 << 20)
+    """Ask as a real volunteer does: from its own peer id (a copy from another peer is charged to that peer)."""
+    from asyncrl.protocol.identity import peer_id_from_public_key
+
+    own = peer_id_from_public_key(data[4:36])
+    return messages.decode(desk.handle(data, peer=own), messages.LeaseGrant, max_bytes=1 << 20)
 
 
 def test_grants_carry_the_prompt_tokens_sampling_and_version(tokenizer):
