@@ -12,7 +12,7 @@ from the current policy, their logprobs computed once in the audit's own path an
 that dtype would (autocast: weights and matmuls rounded to the dtype; on the tiny model this matched a
 real bf16-weights engine within 5 %: max 1.00e-2 vs 1.04e-2, median 4.1e-3 vs 4.0e-3), and the tolerance
 is `max(base, margin x the worst honest completion)`. A batch that does not say its dtype is held to the
-loosest calibrated tolerance (an older client). Claiming bf16 buys a cheat at most the bf16 tolerance.
+base tolerance (every schema-2 client says it). Claiming bf16 buys a cheat at most the bf16 tolerance.
 
 Quarantine before strikes. A miss (statistic over the tolerance) rejects the batch (LOGPROB_MISMATCH: it
 never reaches a gradient) and puts the key in quarantine: every one of its batches is audited until
@@ -67,9 +67,7 @@ class AuditPolicy:
                    quarantine_strikes=cfg.audit_quarantine_strikes)
 
     def tolerance(self, engine_dtype: str = "") -> float:
-        if engine_dtype in self.tolerances:
-            return self.tolerances[engine_dtype]
-        return max(self.tolerances.values())  # not said (an older client): the loosest we calibrated
+        return self.tolerances.get(engine_dtype, self.base)  # not said, or not calibrated: the strictest
 
     def set_calibrated(self, dtype: str, honest: list[float]) -> float:
         """Tolerance for engines in `dtype` from the per-completion statistics of honest samples."""

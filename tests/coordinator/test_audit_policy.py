@@ -42,7 +42,7 @@ def test_tolerance_per_engine_dtype():
     assert p.tolerance("fp32") == p.tolerance("") == 0.01
     assert p.set_calibrated("bf16", [0.002, 0.004, 0.008]) == pytest.approx(0.024)
     assert p.set_calibrated("fp16", [1e-4]) == 0.01  # never below the base
-    assert p.tolerance("bf16") == pytest.approx(0.024) and p.tolerance("") == pytest.approx(0.024)  # unsaid: loosest
+    assert p.tolerance("bf16") == pytest.approx(0.024) and p.tolerance("") == 0.01  # unsaid: the strictest
     assert p.judge(KEY, 0.015, "bf16").ok and not p.judge(KEY, 0.015, "fp32").ok
 
 
