@@ -13,10 +13,10 @@ strike is audited with probability max(`floor`, 1/n); with n == 0 (no track reco
 How, cheapest first:
   * claimed version == the learner's current version, on a learner that takes the hook (not DDP, whose
     ranks each see a slice: there every batch is checked at ingest on the shadow, as below): the check is
-    deferred to train time on the
-    learner's own model (`train_hook`, called by `Learner.step` with the log-probs of a no-grad pass over
-    the audited groups, before the step's first micro-batch): a failing batch is dropped before any
-    gradient exists and the step trains the rest (cost: one forward of the audited rows).
+    deferred to train time on the learner's own model (`train_hook`, called by `Learner.step` with the
+    log-probs of a no-grad pass over the audited groups, before the step's first micro-batch): a failing
+    batch is dropped before any gradient exists and the step trains the rest (cost: one forward of the
+    audited rows).
     Valid only while the learner's weights still equal that version (no optimizer step since it was
     published) and LoRA dropout is 0; otherwise the shadow model below is used, still at train time.
     The learner holds the fp32 weights, volunteers the *published* (e.g. bf16-rounded) ones, so a batch
