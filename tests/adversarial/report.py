@@ -25,7 +25,7 @@ CALIBRATION = REPO / "runs" / "bench" / "audit_calibration.json"
 
 def attack_table(data: dict) -> str:
     rows = [r for r in data["attacks"] if not r["attack"].startswith("_")]
-    lines = ["| # | attack | what mallory does | tried | rejected | reject codes | honest batches lost |",
+    lines = ["| # | attack | what mallory does | tried | handled | outcome codes | honest batches lost |",
              "|---|---|---|---:|---:|---|---:|"]
     for i, r in enumerate(rows, 1):
         codes = ", ".join(f"`{c}` x{n}" for c, n in sorted(r["codes"].items()))
@@ -40,7 +40,7 @@ def attack_table(data: dict) -> str:
     audit = (data.get("trust") or {}).get("audit") or {}
     cost = audit.get("cost_fraction_of_learner")
     tail = ["", f"{len(rows)} attack kinds, {sum(r['tried'] for r in rows)} attempts, "
-            f"{sum(r['rejected'] for r in rows)} rejected; honest batches lost: "
+            f"{sum(r['rejected'] for r in rows)} handled; honest batches lost: "
             f"{sum(r['honest_lost'] for r in rows)}; honest volunteers — {honest}."]
     if data.get("coordinator_rss_peak"):
         tail.append(f"Coordinator RSS during the suite: {data['coordinator_rss_start'] / 2**20:.0f} MiB at the start, "
