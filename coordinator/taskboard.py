@@ -121,7 +121,7 @@ class TaskBoard:
             if len({l.lease_id for l in leases}) != len(leases):
                 raise LeaseRejected("the same lease twice in one batch")
             for lease in leases:
-                del self._outstanding[lease.lease_id]
+                self._pop_locked(lease.lease_id)
             self.completed += len(leases)
             return leases
 
@@ -131,6 +131,8 @@ class TaskBoard:
         with self._lock:
             for lease in leases:
                 self._outstanding[lease.lease_id] = lease
+                self._held[lease.client] += 1
+                heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))  # it still expires when it did
             self.completed -= len(leases)
 
     def peek(self, lease_id: str, client: bytes) -> Lease:

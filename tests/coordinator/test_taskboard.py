@@ -113,3 +113,16 @@ def test_expiry_is_exact_with_thousands_of_leases_and_settled_ones_leave_no_trac
     c = b.counts()
     assert (c["leased"], c["completed"], c["expired"], c["outstanding"]) == (4000, 500, 3500, 0)
     assert len(b._expiry) <= 64  # rebuilt once settled entries pile up: memory stays bounded
+
+
+def test_completing_a_whole_batch_frees_the_volunteers_share_and_reopening_takes_it_back():
+    b = board(FakeClock())
+    first = b.lease(ALICE, 8)  # max_leases_per_client = 8: her share is full
+    assert b.lease(ALICE, 1) == []
+    done = b.complete_all([l.lease_id for l in first[:4]], ALICE)
+    assert b.held_by_client() == {ALICE: 4}
+    b.reopen(done)  # the batch could not be queued: the same leases are hers again
+    assert b.held_by_client() == {ALICE: 8} and b.lease(ALICE, 1) == []
+    b.complete_all([l.lease_id for l in first], ALICE)
+    assert b.held_by_client() == {}
+    assert len(b.lease(ALICE, 8)) == 8  # a volunteer that delivered everything may lease a full share again
