@@ -43,6 +43,14 @@ def test_a_failing_reward_plugin_is_unscorable_not_zero(monkeypatch):
         tasks.score("broken", "x", "y")
 
 
+def test_a_reward_returning_the_wrong_thing_is_unscorable_and_an_unknown_name_stays_a_config_error(monkeypatch):
+    monkeypatch.setitem(tasks.REWARDS, "wrong", tasks.batch_reward(lambda prompts, completions, **kw: ["x"]))
+    with pytest.raises(tasks.Unscorable):
+        tasks.score("wrong", "x", "y")  # score_group raises RewardError: our reward's fault, not the volunteer's
+    with pytest.raises(tasks.UnknownReward):
+        tasks.score("no-such-reward", "x", "y")
+
+
 def test_unknown_reward_is_a_clear_error():
     with pytest.raises(tasks.UnknownReward):
         tasks.get_reward("no-such-reward")
