@@ -47,7 +47,6 @@ def test_many_peer_ids_cannot_hold_the_byte_budget(mallory, swarm, strangers, at
     def flood(i, node):
         results[i] = mallory.stall("submit", per_stream, streams, node, timeout=90)
 
-
     threads = [threading.Thread(target=flood, args=(i, n)) for i, n in enumerate(strangers)]
     for t in threads:
         t.start()
