@@ -31,6 +31,9 @@ TIMEOUT_S = 10.0
 """Longest one check may take (wall clock) before its worker is killed."""
 ACQUIRE_S = 30.0
 """Longest a caller waits for a free worker before the check counts as unscorable."""
+STARTUP_S = 120.0
+"""Longest a fresh worker may take to start (spawn, imports) before its first check; not part of TIMEOUT_S,
+so a loaded machine's slow start never turns an honest check into a timeout."""
 
 
 class Unscorable(Exception):
@@ -48,7 +51,21 @@ def verify_math(completion: str, answer: str) -> float:
     return 1.0 if verify(gold, pred, timeout_seconds=None) else 0.0
 
 
+def _warm_math() -> None:
+    import math_verify  # noqa: F401 - the import is the slow part of a fresh worker's first check
+
+
+verify_math.warm = _warm_math
+
+
 def _worker_main(conn, verify_fn) -> None:
+    warm = getattr(verify_fn, "warm", None)
+    try:
+        if warm is not None:
+            warm()
+    except Exception:  # noqa: BLE001 - the first check reports the real error
+        pass
+    conn.send(("ready", None))
     while True:
         try:
             job = conn.recv()
@@ -68,6 +85,7 @@ class _Worker:
         self.proc = ctx.Process(target=_worker_main, args=(child, verify_fn), daemon=True, name="asyncrl-verifier")
         self.proc.start()
         child.close()
+        self.ready = False  # set once the worker said it started (STARTUP_S)
 
     def kill(self) -> None:
         try:
@@ -99,6 +117,11 @@ class VerifierPool:
         ok = False
         try:
             try:
+                if not worker.ready:  # a fresh worker: its start-up is not the check's time
+                    if not worker.conn.poll(STARTUP_S):
+                        raise OSError(f"no start within {STARTUP_S:.0f}s")
+                    worker.conn.recv()
+                    worker.ready = True
                 worker.conn.send((completion, answer))
                 ready = worker.conn.poll(self.timeout_s)
                 status, value = worker.conn.recv() if ready else ("timeout", None)
