@@ -77,9 +77,10 @@ def test_spooled_batches_survive_an_outage_longer_than_the_window(procs, tmp_pat
         return spooled <= done and done
 
     consumed = wait_for(trained_or_dropped, 300, "every spooled batch trained or dropped after the resume")
-    # The volunteer first: it keeps working after the resume, and its first SIGTERM finishes the batch in hand
+    # The volunteer first: it keeps working after the resume, and its first Ctrl-C finishes the batch in hand
     # and flushes it to the coordinator that is still up (stopping the coordinator first would strand it).
-    procs.signal(volunteer, signal.SIGTERM)
+    # SIGINT, as a terminal sends it: SIGTERM to the group also stops its p2pd before the flush.
+    procs.signal(volunteer, signal.SIGINT)
     assert volunteer.wait(120) == 0, volunteer.log_path.read_text()[-3000:]
     procs.signal(second, signal.SIGTERM)
     assert second.wait(120) == 0, second.log_path.read_text()[-3000:]
