@@ -18,10 +18,10 @@ from tests.adversarial.swarm import batch_id_of, corrupt, wait_for
 pytestmark = pytest.mark.integration
 
 
-def honest_sealed(mallory, ident=None, n=1):
+def honest_sealed(mallory, ident=None, n=1, node=None):
     """A batch mallory generated honestly for her own lease (so only the tampering can fail it)."""
     ident = ident or mallory.identity
-    leases = mallory.lease(ident, n)
+    leases = mallory.lease(ident, n, node=node)
     current = mallory.follow()
     groups = mallory.generate(leases, current)
     payload = messages.encode(mallory.batch(groups, current.version))
@@ -55,21 +55,24 @@ def test_tampered_payload(mallory, attack):
 def test_replayed_batch(mallory, swarm, attack):
     rec = attack("replayed batch", "an accepted batch sent again (same bytes, re-sealed) and a refused one replayed")
     ident = Identity.generate()
-    _, payload = honest_sealed(mallory, ident)
+    # From the key's own peer id, as a volunteer sends: copies from another peer are that peer's problem
+    # (tests/adversarial/test_honest.py), here the signer's own books must show the replays.
+    node = mallory.own_node(ident)
+    _, payload = honest_sealed(mallory, ident, node=node)
     sealed = mallory.seal(ident, payload)
-    assert mallory.final_code(sealed) == "ACCEPTED"  # honest work by a new key passes its audit
+    assert mallory.final_code(sealed, node=node) == "ACCEPTED"  # honest work by a new key passes its audit
     fp = ident.fingerprint
-    code, ack = mallory.submit(sealed)  # byte-identical replay
+    code, ack = mallory.submit(sealed, node=node)  # byte-identical replay
     rec.saw(code)
     assert code == "DUPLICATE_BATCH" and ack.batch_id == batch_id_of(sealed)
-    code, _ = mallory.submit(mallory.seal(ident, payload))  # same payload, fresh nonce and timestamp
+    code, _ = mallory.submit(mallory.seal(ident, payload), node=node)  # same payload, fresh nonce and timestamp
     rec.saw(code)
     assert code == "DUPLICATE_BATCH"
     # A refused envelope replayed: its nonce is spent.
     refused = mallory.seal(ident, messages.encode(mallory.batch(
-        mallory.generate(mallory.lease(ident, 1)), mallory.sync.current.version, run_id="another-run")))
-    assert mallory.submit(refused)[0] == "WRONG_RUN"
-    code, _ = mallory.submit(refused)
+        mallory.generate(mallory.lease(ident, 1, node=node)), mallory.sync.current.version, run_id="another-run")))
+    assert mallory.submit(refused, node=node)[0] == "WRONG_RUN"
+    code, _ = mallory.submit(refused, node=node)
     rec.saw(code)
     assert code == "NONCE_REUSED"
     # trust.json is rewritten every few seconds: judge the first one that already shows the last refusal

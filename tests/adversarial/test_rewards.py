@@ -40,8 +40,9 @@ def math_prompts(poison_every: int = 0):
 
 @pytest.fixture(scope="module")
 def verifiers():
-    from asyncrl.tasks import math_reward
+    import importlib
 
+    math_reward = importlib.import_module("asyncrl.tasks.math_reward")  # the module (the package exports a function of that name)
     old = math_reward._pool
     math_reward._pool = math_reward.VerifierPool(workers=4, per_key=2, timeout_s=3.0, acquire_s=60.0)
     yield math_reward._pool
