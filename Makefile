@@ -5,6 +5,8 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.asyncrl-installed
 PIP     := $(PY) -m pip install --disable-pip-version-check -c constraints/cpu.txt
 PYTEST_ARGS ?=
+# Two pytest-xdist workers: the integration tests wait on processes about half the time (docs/testing.md).
+TEST_WORKERS ?= 2
 
 .PHONY: demo test install browser netlab clean-venv
 
@@ -25,7 +27,7 @@ demo: $(STAMP)
 	$(PY) -m asyncrl.cli demo --clients 2 --json-out runs/demo.json --overwrite
 
 test: $(STAMP) browser netlab
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # The dashboard test drives Debian's chromium through its chromedriver (tests/integration/test_operator.py);
 # a missing browser fails that test rather than skipping it, so `make test` installs both (root or sudo).

@@ -15,6 +15,64 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+# ---- how pytest-xdist shares the suite (`make test` runs `-n 2`; docs/testing.md) --------------------------
+_UNIT_RANK = {"vllm": 0, "tests/adversarial": 1}  # then integration files, then the rest: longest first
+
+
+def _work_unit(path: str) -> str:
+    """The work unit of a test file (a path relative to the repo): one per file, except the whole adversarial
+    package (one shared swarm and mallory) and every file that starts vLLM ("vllm": two engines at once pin
+    their OpenMP threads to the same core, so they run one after the other)."""
+    if path.startswith("tests/adversarial/"):
+        return "tests/adversarial"
+    if _uses_vllm(path):
+        return "vllm"
+    return path
+
+
+_VLLM_FILES: dict[str, bool] = {}
+
+
+def _uses_vllm(path: str) -> bool:
+    if path not in _VLLM_FILES:
+        try:
+            _VLLM_FILES[path] = "pytest.mark.vllm" in (REPO / path).read_text()
+        except OSError:
+            _VLLM_FILES[path] = False
+    return _VLLM_FILES[path]
+
+
+def _rank(path: str) -> int:
+    unit = _work_unit(path)
+    return _UNIT_RANK.get(unit, 2 if unit.startswith("tests/integration/") else 3)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest work units first (a stable sort: a file's own order is kept), so that no long unit starts
+    last and leaves one worker running alone at the end."""
+    if config.getoption("numprocesses", default=None) or os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: _rank(item.nodeid.split("::", 1)[0]))
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Units from `_work_unit`, handed out in collection order (longest first, above). An explicit
+    `--dist each|worksteal|loadscope|loadgroup` is left to xdist."""
+    if config.getvalue("dist") not in ("load", "loadfile"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByUnit(LoadScopeScheduling):
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            config.option.loadscopereorder = False  # keep our order, not "most tests first"
+
+        def _split_scope(self, nodeid: str) -> str:
+            return _work_unit(nodeid.split("::", 1)[0])
+
+    return ByUnit(config, log)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def hermetic_cache(tmp_path_factory):
     """Tiny model cache, HF caches and XDG dirs under a temp dir: no test touches ~ or the network."""

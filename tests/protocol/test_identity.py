@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import stat
 
 import pytest
@@ -104,7 +105,7 @@ def test_group_readable_key_file_warns(tmp_path):
 
 @pytest.mark.parametrize(
     "content",
-    [b"", b"garbage", b"-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n", os.urandom(64)],
+    [b"", b"garbage", b"-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n", random.Random(64).randbytes(64)],
 )
 def test_corrupt_key_file_is_malformed(tmp_path, content):
     path = tmp_path / "broken.key"
