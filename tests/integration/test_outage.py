@@ -56,7 +56,8 @@ def test_spooled_batches_survive_an_outage_longer_than_the_window(procs, tmp_pat
     vol.mkdir()
     (vol / "HOLD_UPLOADS").write_text("the test releases uploads after the outage\n")
     volunteer = procs.start("vol", ["-m", "asyncrl.client.cli", "join", join, "--name", "vol", "--threads", "1",
-                                    "--data-dir", str(vol), "--prompts-per-batch", "2", "--json-logs"],
+                                    "--data-dir", str(vol), "--prompts-per-batch", "2", "--json-logs",
+                                    "--fixed-lease-size"],  # 2 prompts per batch from the first (no sizing probe)
                             env={"ASYNCRL_FAULT": "hold-uploads"})
     # It holds every lease it may (8 prompts = 4 batches of 2) and spools them all.
     wait_for(lambda: _status(vol).get("outbox", 0) >= 4, 300, "the volunteer to spool 4 batches")

@@ -92,7 +92,8 @@ def test_vllm_volunteers_at_a_real_vocabulary_train_a_trl_style_conversational_t
     join = wait_for_join(run, 240, proc=coord)
     vols = {name: procs.start(name, ["-m", "asyncrl.client.cli", "join", join, "--engine", "vllm", "--name", name,
                                      "--data-dir", str(tmp_path / name), "--max-batches", "1",
-                                     "--prompts-per-batch", str(PROMPTS), "--json-logs"], env=env)
+                                     "--prompts-per-batch", str(PROMPTS), "--json-logs",
+                                     "--fixed-lease-size"], env=env)  # PROMPTS per batch from the first lease
             for name in ("vllm-a", "vllm-b")}
     for name, proc in vols.items():
         assert proc.wait(600) == 0, proc.log_path.read_text()[-3000:]
