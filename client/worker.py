@@ -296,15 +296,26 @@ class Volunteer:
                 return hs, checks
         return hs, []
 
-    def wait_for_adapter(self, timeout: float = 120.0):
-        deadline = time.time() + timeout
+    def wait_for_adapter(self, timeout: float | None = None, *, report_every_s: float = 60.0):
+        """The first adapter version, fetched in the background by the follower. `join` waits for it until
+        stopped (a coordinator still starting, a slow network or a loaded machine is not a reason for an
+        honest volunteer to quit: an earlier 120 s limit made one exit 1 in a loaded CI run), saying every
+        `report_every_s` that it is still waiting. None when stopped first; `timeout` (benches) raises."""
+        started = time.time()
+        reported = started
         while not self.stop.is_set():
             got = self.sync.poll()
             if got is not None:
                 return got
-            if time.time() > deadline:
+            now = time.time()
+            if timeout is not None and now - started > timeout:
                 raise TimeoutError("no adapter published by the coordinator yet")
-            time.sleep(self.cfg.poll_s)
+            if now - reported >= report_every_s:
+                reported = now
+                self.out(f"[{self.name}] still waiting for the coordinator's first adapter ({now - started:.0f} s; "
+                         "Ctrl-C stops; `asyncrl-client doctor <address>` checks the path)")
+            self.stop.wait(self.cfg.poll_s)
+        return None
 
     def load_engine(self, manifest: messages.AdapterManifest):
         """Find exactly the base model the manifest pins (models/pinning.py), verify it, then start the engine."""

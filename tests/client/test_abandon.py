@@ -76,3 +76,26 @@ def test_an_engine_that_fails_every_lease_stops_the_volunteer_clearly(volunteer)
         assert volunteer._generate([lease(0, [1]), lease(1, [2])], 2, SAMPLING) == []
     with pytest.raises(EngineFailed):
         volunteer._generate([lease(0, [1]), lease(1, [2])], 2, SAMPLING)
+
+
+class LateSync:
+    """An adapter follower whose first version arrives only at the `n`-th poll."""
+
+    def __init__(self, n: int):
+        self.n, self.polls = n, 0
+
+    def poll(self):
+        self.polls += 1
+        return "v0" if self.polls >= self.n else None
+
+
+def test_join_waits_for_the_first_adapter_however_long_it_takes_and_says_so(volunteer):
+    said = []
+    volunteer.out = said.append
+    volunteer.cfg.poll_s = 0.001
+    volunteer.sync = LateSync(400)
+    assert volunteer.wait_for_adapter(report_every_s=0.0) == "v0"  # no give-up: it came at the 400th look
+    assert volunteer.sync.polls == 400 and len(said) >= 1  # and it said it was still waiting
+    volunteer.sync = LateSync(10**9)
+    volunteer.stop.set()
+    assert volunteer.wait_for_adapter() is None  # stopped (Ctrl-C) before anything was published
