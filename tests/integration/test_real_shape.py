@@ -80,6 +80,7 @@ def test_vllm_volunteers_at_a_real_vocabulary_train_a_trl_style_conversational_t
         group_size = {GROUP}
         prompts_per_lease = {PROMPTS}
         groups_per_step = 2
+        max_inflight_groups = 16   # room for both new keys' full leases even after one is proven (new_key_share)
         min_groups = 1
         max_wait_s = 1
         max_steps = 0
