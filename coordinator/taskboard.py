@@ -95,14 +95,19 @@ class TaskBoard:
         """Mark a lease fulfilled; raises LeaseRejected for unknown, expired or someone else's lease."""
         with self._lock:
             self._expire_locked()
-            lease = self._outstanding.get(lease_id)
-            if lease is None:
-                raise LeaseRejected(f"lease {lease_id} is unknown or expired (its prompt was re-leased)")
-            if lease.client != client:
-                raise LeaseRejected(f"lease {lease_id} belongs to another volunteer")
+            lease = self._held_locked(lease_id, client)
             self._pop_locked(lease_id)
             self.completed += 1
             return lease
+
+    def _held_locked(self, lease_id: str, client: bytes) -> Lease:
+        """The outstanding lease `lease_id` if `client` holds it; LeaseRejected otherwise (lock held)."""
+        lease = self._outstanding.get(lease_id)
+        if lease is None:
+            raise LeaseRejected(f"lease {lease_id} is unknown or expired (its prompt was re-leased)")
+        if lease.client != client:
+            raise LeaseRejected(f"lease {lease_id} belongs to another volunteer")
+        return lease
 
     def complete_all(self, lease_ids, client: bytes) -> list[Lease]:
         """Complete every lease of one batch, or none: raises LeaseRejected (and changes nothing) when any
@@ -112,12 +117,7 @@ class TaskBoard:
             self._expire_locked()
             leases = []
             for lid in lease_ids:
-                lease = self._outstanding.get(lid)
-                if lease is None:
-                    raise LeaseRejected(f"lease {lid} is unknown or expired (its prompt was re-leased)")
-                if lease.client != client:
-                    raise LeaseRejected(f"lease {lid} belongs to another volunteer")
-                leases.append(lease)
+                leases.append(self._held_locked(lid, client))
             if len({l.lease_id for l in leases}) != len(leases):
                 raise LeaseRejected("the same lease twice in one batch")
             for lease in leases:
