@@ -139,12 +139,7 @@ class TaskBoard:
         """Check a lease without completing it (ingest validates the whole batch first)."""
         with self._lock:
             self._expire_locked()
-            lease = self._outstanding.get(lease_id)
-            if lease is None:
-                raise LeaseRejected(f"lease {lease_id} is unknown or expired (its prompt was re-leased)")
-            if lease.client != client:
-                raise LeaseRejected(f"lease {lease_id} belongs to another volunteer")
-            return lease
+            return self._held_locked(lease_id, client)
 
     def renew(self, lease_ids, client: bytes) -> dict[str, float]:
         """Extend the holder's leases: expires_at = now + lease_timeout_s, never beyond granted_at +
