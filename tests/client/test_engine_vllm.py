@@ -82,7 +82,7 @@ _MODELS: dict = {}
 @pytest.fixture(scope="module")
 def driven(tmp_path_factory):
     """One vLLM start for every test here: the driver's samples, the model dir and the adapters."""
-    from tests.conftest import Procs, require_vllm  # not at module level: this file also runs as the vLLM driver
+    from tests.conftest import VLLM_DRIVER_ENV, Procs, require_vllm  # not at module level: this file also runs as the vLLM driver
 
     require_vllm()
 
@@ -95,7 +95,8 @@ def driven(tmp_path_factory):
     out = tmp_path / "out.json"
     procs = Procs(tmp_path)
     try:
-        proc = procs.start("vllm-driver", [__file__, model_dir, str(tmp_path / "adapters.msgpack"), str(out)])
+        proc = procs.start("vllm-driver", [__file__, model_dir, str(tmp_path / "adapters.msgpack"), str(out)],
+                            env=VLLM_DRIVER_ENV)
         try:
             rc = proc.wait(timeout=480)
         except Exception:

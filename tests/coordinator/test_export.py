@@ -196,7 +196,7 @@ def test_cli_push_offline_stops_at_the_upload_call(trained, tmp_path):
 
 @pytest.mark.vllm
 def test_exported_adapter_loads_in_vllm_with_the_engines_logprobs(trained, samples, tmp_path, procs):
-    from tests.conftest import require_vllm
+    from tests.conftest import VLLM_DRIVER_ENV, require_vllm
 
     require_vllm()
     from asyncrl.coordinator.export import export
@@ -207,7 +207,7 @@ def test_exported_adapter_loads_in_vllm_with_the_engines_logprobs(trained, sampl
     request.write_text(json.dumps({"model": trained["model"], "adapter": str(out), "r": LORA["r"],
                                    "sequences": [[p, t] for p, t, _ in samples]}))
     result = tmp_path / "result.json"
-    proc = procs.start("vllm-export-driver", [__file__, str(request), str(result)])
+    proc = procs.start("vllm-export-driver", [__file__, str(request), str(result)], env=VLLM_DRIVER_ENV)
     try:
         rc = proc.wait(timeout=480)
     except Exception:

@@ -2,7 +2,9 @@
 completions from a random model with a 32,768-token vocabulary (built in code, loaded from its directory),
 for a conversational JSONL task scored by a TRL-style batch reward plus a second, weighted one (a real
 package registered through the `asyncrl.rewards` entry points, on the coordinator and the volunteers); the
-micro-batched learner trains on them; the reward log, the lease books and the summary agree.
+micro-batched learner trains on them; the reward log, the lease books and the summary agree. One volunteer
+sends two batches, the other one: the swarm test of a vLLM volunteer (what tests/integration/
+test_vllm_volunteer.py did on the tiny model) is this one, so CI starts no third vLLM volunteer.
 
 Needs vllm: with CI=true a missing vllm fails the test; elsewhere it skips (tests/conftest.py).
 """
@@ -23,7 +25,8 @@ from tests.realshape import write_model
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 VOCAB, NEW_TOKENS, TARGET = 32768, 256, 128
-GROUP, PROMPTS = 4, 2  # one lease = one batch = 2 prompts x 4 samples; each volunteer sends one
+GROUP, PROMPTS = 4, 2  # one lease = one batch = 2 prompts x 4 samples
+BATCHES = {"vllm-a": 2, "vllm-b": 1}  # batches each volunteer sends
 REWARDS = '''
 def length_ratio(prompts, completions, completion_ids, target_tokens, **kwargs):
     """TRL signature: conversational prompts and completions, a dataset column as a kwarg."""
@@ -92,38 +95,39 @@ def test_vllm_volunteers_at_a_real_vocabulary_train_a_trl_style_conversational_t
                                         str(tmp_path / "coordinator.toml"), "--threads", "1"], env=env)
     join = wait_for_join(run, 240, proc=coord)
     vols = {name: procs.start(name, ["-m", "asyncrl.client.cli", "join", join, "--engine", "vllm", "--name", name,
-                                     "--data-dir", str(tmp_path / name), "--max-batches", "1",
+                                     "--data-dir", str(tmp_path / name), "--max-batches", str(BATCHES[name]),
                                      "--prompts-per-batch", str(PROMPTS), "--json-logs",
                                      "--fixed-lease-size"], env=env)  # PROMPTS per batch from the first lease
-            for name in ("vllm-a", "vllm-b")}
+            for name in BATCHES}
     for name, proc in vols.items():
         assert proc.wait(600) == 0, proc.log_path.read_text()[-3000:]
         status = json.loads((tmp_path / name / "status.json").read_text())
-        assert status["batches_acked"] == 1 and status["batches_rejected"] == {}, status
+        assert status["batches_acked"] == BATCHES[name] and status["batches_rejected"] == {}, status
         assert status["leases_abandoned"] == 0, status
         # 8 completions each, nearly all at the full 256 tokens (a random 32k-vocab model rarely samples a stop token)
-        n = GROUP * PROMPTS
+        n = GROUP * PROMPTS * BATCHES[name]
         assert status["rollouts"] == n and status["tokens"] >= 0.95 * NEW_TOKENS * n, status
     coord.send_signal(signal.SIGTERM)  # the operator stops it: final summary
     assert coord.wait(180) == 0, coord.log_path.read_text()[-3000:]
 
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["batches_by_client"] == {"vllm-a": 1, "vllm-b": 1} and summary["rejected_by_client"] == {}
+    # the coordinator re-scored every reward and accepted the vLLM-reported sampling logprobs
+    assert summary["batches_by_client"] == BATCHES and summary["rejected_by_client"] == {}
     assert summary["task"]["records"] == 16 and summary["task"]["skipped_long"] == summary["task"]["skipped_columns"] == 0
     batches = events(run, "batch")
-    assert len(batches) == summary["batches_accepted"] == 2
+    assert len(batches) == summary["batches_accepted"] == sum(BATCHES.values())
     # length_ratio is 1 for any completion of >= TARGET tokens, not_empty adds 0.5, even_share about 0.5 (never 0
     # or 1 over 256 near-uniform tokens): the weighted TRL sum, not clamped to [0, 1] (a simple reward would
     # be); a broken column or kwarg would have dropped the group
     assert all(1.5 < b["reward_mean"] < 2.5 for b in batches), batches
     steps = events(run, "step")
     # groups_per_step = one batch: a step per batch, each on micro-batches, each moving the adapter
-    assert summary["trainer_steps"] == len(steps) == 2 and summary["lora_delta_norm"] > 0
+    assert summary["trainer_steps"] == len(steps) == sum(BATCHES.values()) and summary["lora_delta_norm"] > 0
     assert all(s["micro_batches"] >= 2 and s["grad_norm"] > 0 for s in steps), steps
     trained = {i for s in steps for i in s["batch_ids"]}
     assert trained == {b["batch_id"] for b in batches}  # every accepted batch was trained
     leases = summary["leases"]
-    assert leases["completed"] == leases["trained"] == 2 * PROMPTS and leases["expired"] == 0, leases
+    assert leases["completed"] == leases["trained"] == sum(BATCHES.values()) * PROMPTS and leases["expired"] == 0, leases
     assert summary["leases_balanced"], leases
     assert (run / "reward.png").stat().st_size > 0
     print(f"real-shape swarm test: {time.time() - t0:.0f} s wall")
