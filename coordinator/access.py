@@ -20,7 +20,9 @@ Owned here and nowhere else:
     signer's peer id is a copy sent by someone else (a replay, a relay of stolen bytes). Such a copy is
     charged to the peer that sent it — its bucket, never the signer's — and once a key has had a batch
     accepted from its own peer, copies of its requests from any other peer are refused (NOT_ALLOWED,
-    charged to that peer), so nobody can pin an honest volunteer's leases or drain its bucket.
+    charged to that peer), so nobody can pin an honest volunteer's leases or drain its bucket. Each peer's
+    `foreign_sent` / `foreign_refused` counts are in `status()["peers"]`; ingest writes no verdict on the
+    signer's batch for such a refusal (it is the sender's, not the batch's).
     `max_strikes` / `peer_max_strikes` strikes ban; a ban is permanent until the operator clears it
     (bans persist in `state_bytes()`).
   * BOINC-style track record: `valid_streak(key)` = accepted batches since the identity's last strike;
@@ -162,6 +164,8 @@ class _Peer:
     bucket: TokenBucket
     strikes: int = 0
     rate_limited: int = 0
+    foreign_sent: int = 0     # requests signed by another key that this peer delivered (charged here)
+    foreign_refused: int = 0  # ...of which refused because their signer delivers from its own peer
 
 
 def _charged_to_peer(code: RejectCode, detail: str) -> ProtocolError:
@@ -255,11 +259,15 @@ class AccessControl:
             else:
                 self._ids.move_to_end(key)
             if peer and peer != rec.peer_id:
+                sender = self._peer(peer)
+                sender.foreign_sent += 1
                 self.counters["foreign_sent"] += 1
                 if rec.own_peer_seen:
+                    sender.foreign_refused += 1
                     self.counters["foreign_refused"] += 1
                     raise _charged_to_peer(RejectCode.NOT_ALLOWED, "sent by another peer than its signer")
-                if not self._peer(peer).bucket.take(now):
+                if not sender.bucket.take(now):
+                    sender.rate_limited += 1
                     self.counters["rate_limited"] += 1
                     raise _charged_to_peer(RejectCode.RATE_LIMITED, "too many requests from this peer")
             elif not rec.bucket.take(now):
@@ -372,8 +380,9 @@ class AccessControl:
                 "identities": {fingerprint(k): {"strikes": r.strikes, "valid_streak": r.valid_streak,
                                                 "rate_limited": r.rate_limited}
                                for k, r in self._ids.items() if r.strikes or r.valid_streak or r.rate_limited},
-                "peers": {p: {"strikes": r.strikes, "rate_limited": r.rate_limited}
-                          for p, r in self._peers.items() if r.strikes or r.rate_limited},
+                "peers": {p: {"strikes": r.strikes, "rate_limited": r.rate_limited, "foreign_sent": r.foreign_sent,
+                              "foreign_refused": r.foreign_refused}
+                          for p, r in self._peers.items() if r.strikes or r.rate_limited or r.foreign_sent},
             }
 
     def state_bytes(self) -> bytes:

@@ -180,8 +180,9 @@ class Ingest:
             return self._verify_and_commit(data, peer, reserved)
         except ProtocolError as exc:
             signer = getattr(exc, "signer", None)  # set only once the signature verified
-            if getattr(exc, "charge_peer", False) or (signer is not None and exc.code not in SIGNERS_LIES
-                                                      and _foreign(signer, peer)):
+            by_sender = getattr(exc, "charge_peer", False) or (signer is not None and exc.code not in SIGNERS_LIES
+                                                              and _foreign(signer, peer))
+            if by_sender:
                 signer = None  # a copy sent by someone else: the sending peer answers for it, not the signer
             if signer is not None:
                 with self.lock:
@@ -193,7 +194,8 @@ class Ingest:
             if self.access is not None:
                 self.access.on_reject(exc.code, signer=signer, peer=peer, strike=getattr(exc, "strike", True))
             batch_id = getattr(exc, "batch_id", b"")
-            self._verdict(batch_id, signer, exc.code.value, "ingest")
+            if not by_sender:  # a refused copy from another peer is no verdict on the signer's batch (it is
+                self._verdict(batch_id, signer, exc.code.value, "ingest")  # counted on that peer: access.py)
             accepted = exc.code is RejectCode.DUPLICATE_BATCH  # the client may delete its copy
             receipt = self.receipts.lookup(batch_id) if accepted and self.receipts is not None else b""
             return messages.Ack(batch_id=batch_id, accepted=accepted, code=exc.code.value,

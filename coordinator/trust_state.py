@@ -10,7 +10,8 @@ Every `every_s` seconds (and once more at shutdown) a daemon thread writes, each
   <run_dir>/access.bin   AccessControl.state_bytes(): automatic bans and strikes;
   <run_dir>/trust.json   a read-only view for operators and tests: per-key accepted/rejected/strikes,
                          bans, access counters, audit statistics (incl. its cost as a fraction of
-                         learner time) and the most recent verdicts (batch id -> code).
+                         learner time) and the most recent verdicts (batch id -> code; a refused
+                         copy sent by another peer than the signer's is booked on that peer instead).
 `load()` merges replay.bin, seen_ids.log and access.bin back at start (after a checkpoint restore, if
 any: the union never forgets a nonce, an accepted id or a ban). trust.json lists the 1000 most recently
 seen keys (the ingest table itself is bounded too).

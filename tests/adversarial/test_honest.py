@@ -1,5 +1,6 @@
 """Honest volunteers are never punished for our problems, and their batches are charged to nobody else:
-an honest volunteer whose engine runs in bf16 (what GPU engines do) over many batches, a volunteer whose outbox holds batches too large for the coordinator, and a
+an honest volunteer whose engine runs in bf16 (what GPU engines do) over many batches, copies of her batches
+sent from other peer ids, a volunteer whose outbox holds batches too large for the coordinator, and a
 current-version cheater against a DDP learner (which takes no train-time audit hook)."""
 
 from __future__ import annotations
@@ -10,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.protocol import messages
+from asyncrl.protocol import messages, receipts
 from asyncrl.protocol.identity import Identity
 
-from tests.adversarial.swarm import RUN_ID, completion, read_json
+from tests.adversarial.swarm import RUN_ID, batch_id_of, completion, read_json, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -114,3 +115,52 @@ def test_a_current_version_cheater_against_a_ddp_learner(swarm, attack, tmp_path
         rec.saw(code)
     assert result["cheater"] == ["LOGPROB_MISMATCH"] * 2 and result["honest"] == ["ACCEPTED"] * 2
     assert result["trained_from"] == [result["honest_fp"]] and result["trained_groups"] == 4
+
+
+COPIES = 4  # per sending peer id, before and after bea's own delivery
+
+
+def test_copies_of_a_volunteers_batch_from_other_peers_are_charged_to_those_peers(mallory, swarm, bea, attack):
+    rec = attack("copies from other peers", f"mallory sends copies of bea's sealed batch from 2 fresh peer ids of "
+                 f"hers, {COPIES} each before bea delivers it and {COPIES} each after; and copies of a new key's "
+                 "first batch before its signer ever delivered one",
+                 note="refused and booked on mallory's peer ids; bea's own delivery accepted, nothing on her books; "
+                      "the new key's own delivery is acked, as a duplicate, with its receipt")
+    ident, node, engine = bea
+    senders = [mallory.new_node(), mallory.new_node()]
+    _, first = bea_batch(mallory, bea)
+    assert mallory.final_code(first, node=node) == "ACCEPTED"  # she delivers from her own peer id, as volunteers do
+    _, sealed = bea_batch(mallory, bea)
+
+    def copies():
+        for sender in senders:
+            for _ in range(COPIES):
+                code, _ = mallory.submit(sealed, node=sender)
+                rec.saw(code)
+                assert code == "NOT_ALLOWED", code
+
+    copies()
+    assert mallory.final_code(sealed, node=node) == "ACCEPTED"  # the very bytes mallory sent; no verdict but hers
+    copies()  # after it: still the senders' problem, not a duplicate on her books
+
+    def booked():
+        trust = swarm.trust()
+        peers = trust["access"]["peers"]
+        refused = [peers.get(s.peer_id, {}).get("foreign_refused", 0) for s in senders]
+        return trust if refused == [2 * COPIES] * 2 else None
+    trust = wait_for(booked, 60, "trust.json to book the refused copies on mallory's peer ids")
+    assert trust["clients"][ident.fingerprint]["rejected"] == {}, trust["clients"][ident.fingerprint]
+    assert trust["access"]["identities"].get(ident.fingerprint, {}).get("rate_limited", 0) == 0
+
+    # A key that has not delivered anything from its own peer yet: a copy is charged to its sender's bucket and
+    # trained as the signer's work (the bytes are hers); her own delivery then gets the ack and her receipt.
+    dee = Identity.generate()
+    dee_node = mallory.own_node(dee)
+    _, dee_sealed = bea_batch(mallory, (dee, dee_node, engine))
+    codes = [mallory.submit(dee_sealed, node=s)[0] for s in senders]
+    assert codes == ["ACCEPTED", "DUPLICATE_BATCH"], codes
+    code, ack = mallory.submit(dee_sealed, node=dee_node)
+    assert code == "DUPLICATE_BATCH" and ack.accepted, (code, ack)
+    receipt = receipts.open_receipt(ack.receipt, coordinator_key=swarm.coordinator_key, volunteer_key=dee.public_key)
+    assert receipt.batch_id == ack.batch_id == batch_id_of(dee_sealed)
+    rec.note += f"; new key's copies: {codes}, its own delivery: {code} (accepted=True, receipt)"

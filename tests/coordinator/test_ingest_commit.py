@@ -149,10 +149,15 @@ def test_a_copy_sent_by_another_peer_is_charged_to_that_peer(tokenizer, tmp_path
     assert ingest.handle(own, peer=alice_peer).accepted  # her bucket is untouched
     # Once alice has delivered from her own peer, copies of her batches from anyone else are refused.
     third = sealed(ingest, tokenizer, board.lease(ALICE.public_key, 1))
-    assert ingest.handle(third, peer="mallory-peer-2").code == "NOT_ALLOWED"
-    assert ingest.handle(third, peer=alice_peer).accepted  # the nonce was not spent by the copy
+    assert [ingest.handle(third, peer=p).code for p in ("mallory-peer-2", "mallory-peer-3")] == ["NOT_ALLOWED"] * 2
+    ack = ingest.handle(third, peer=alice_peer)
+    assert ack.accepted  # the nonce was not spent by the copies
     assert ingest.clients.get(ALICE.fingerprint).rejected == {} and access.strikes(ALICE.public_key) == 0
-    assert access.counters["foreign_refused"] == 1
+    assert access.counters["foreign_refused"] == 2
+    # The refusals are booked on the peers that sent the copies, not as verdicts on alice's batch.
+    peers = access.status()["peers"]
+    assert all(peers[p]["foreign_refused"] == 1 for p in ("mallory-peer-2", "mallory-peer-3"))
+    assert [v["code"] for v in ingest.verdicts if v["batch_id"] == ack.batch_id.hex()] == ["ACCEPTED"]
 
 
 def test_an_unscorable_completion_drops_its_group_without_blame(tokenizer, tmp_path, monkeypatch):
