@@ -12,8 +12,10 @@ What is timed, all on this process's single thread (tokenizers' Rayon pool pinne
 not involved), in CPU seconds (`time.process_time`):
   signature   envelope.open_envelope: size, magic, Ed25519 over the exact bytes, audience, timestamp
   decode      messages.decode_rollout_batch: strict msgspec decode + shape/range validation
-  scoring     coordinator.ingest.rescore_group for every group: prompt tokens re-encoded and compared,
-              every completion detokenized and its `exact` reward recomputed, arrays to lists
+  scoring     coordinator.ingest.rescore_group for every group: prompt tokens compared with the lease's,
+              finish reasons re-derived against the pinned stop set (Qwen's <|endoftext|>, <|im_end|>),
+              every `exact` reward recomputed (decoding the completions whose printable-character lower
+              bound allows a match: tasks.PrintableTable), the verified arrays handed on as TrainGroups
   end_to_end  the real Ingest.handle (replay guard, batch ids, leases peeked and completed, the three
               above, the learner queue), access control open, no journal, no generation audit
 Each stage runs over the same pre-generated batches; `batches_per_s` = end-to-end batches per CPU second.
@@ -130,6 +132,7 @@ def run(args) -> dict:
     coordinator, volunteer = Identity.generate(), Identity.generate()
     sampling = messages.SamplingParams(temperature=1.0, max_new_tokens=args.tokens)
     max_bytes = 32 << 20
+    stops = tuple(tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"]))  # as models/pinning.py pins Qwen's
     rounds = []
     for r in range(args.rounds):
         board = TaskBoard(Prompts(), lease_timeout_s=3600, max_leases_per_client=1 << 30)
@@ -143,14 +146,15 @@ def run(args) -> dict:
         t_table = time.process_time()
         ingest = Ingest(identity_public_key=coordinator.public_key, run_id="bench", board=board, tokenizer=tokenizer,
                         vocab_size=VOCAB, current_version=lambda: 0, max_batch_bytes=max_bytes, window_s=3600,
-                        queue_groups=args.batches * args.groups + 1, sampling=sampling)
+                        queue_groups=args.batches * args.groups + 1, sampling=sampling, stop_token_ids=stops)
         t_table = time.process_time() - t_table  # once per coordinator start: the tokenizer's printable table
         t_sig = cpu(lambda s: envelope.open_envelope(s, max_bytes=max_bytes, expected_kind="rollout_batch",
                                                      expected_audience=coordinator.public_key, window_s=3600), sealed)
         t_dec = cpu(lambda o: messages.decode_rollout_batch(o.payload, max_bytes=max_bytes, vocab_size=VOCAB), opened)
-        t_score = cpu(lambda bl: [rescore_group(tokenizer, g, lease, bl[0], ingest.bounds)
+        t_score = cpu(lambda bl: [rescore_group(tokenizer, g, lease, bl[0], ingest.bounds, stop_token_ids=stops)
                                   for g, lease in zip(bl[0].groups, bl[1])], list(zip(decoded, leases)))
-        t_decode_text = cpu(lambda bl: [rescore_group(tokenizer, g, lease, bl[0]) for g, lease in zip(bl[0].groups, bl[1])],
+        t_decode_text = cpu(lambda bl: [rescore_group(tokenizer, g, lease, bl[0], stop_token_ids=stops)
+                                        for g, lease in zip(bl[0].groups, bl[1])],
                             list(zip(decoded, leases))[:max(1, len(decoded) // 10)]) / max(1, len(decoded) // 10)
         t0 = time.perf_counter()
         t_all = cpu(lambda s: _accept(ingest, s), sealed)

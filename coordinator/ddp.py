@@ -36,7 +36,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from .learner import Learner, LossTotals, Row, TrainGroup
+from .learner import Learner, LossTotals, Row, TrainGroup, encode_hook
 
 STOP = -1  # header length that tells followers to leave their loop
 
@@ -82,7 +82,7 @@ class DistributedLearner(Learner):
         header = torch.zeros(2, dtype=torch.int64)
         payload = b""
         if self.rank == 0:
-            payload = msgspec.msgpack.encode(groups) if groups is not None else b""
+            payload = msgspec.msgpack.encode(groups, enc_hook=encode_hook) if groups is not None else b""
             header[0] = len(payload) if groups is not None else STOP
             header[1] = self.version
         dist.broadcast(header, src=0)

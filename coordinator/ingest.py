@@ -455,9 +455,8 @@ def rescore_group(tokenizer, group: messages.RolloutGroup, lease, batch: message
     if any(len(a) > batch.sampling.max_new_tokens for a in arrays):
         raise ProtocolError(RejectCode.MALFORMED, "completion longer than max_new_tokens")
     floors = bounds.lower_bounds(arrays) if bounds is not None else [0] * len(arrays)
-    comps = [a.tolist() for a in arrays]
     truncated = []
-    for c, toks in zip(group.completions, comps):
+    for c, toks in zip(group.completions, arrays):
         if stop_token_ids:
             finish = messages.derive_finish_reason(toks, stop_token_ids, max_new_tokens=batch.sampling.max_new_tokens,
                                                    prompt_len=len(prompt_ids), context_limit=context_limit)
@@ -468,14 +467,17 @@ def rescore_group(tokenizer, group: messages.RolloutGroup, lease, batch: message
             truncated.append(len(toks) == batch.sampling.max_new_tokens and c.finish_reason == "length")
     hopeless = [bounds is not None and tasks.impossible(reward, floor, answer) for floor in floors]
     if any(hopeless):  # only `exact`, a simple reward scored one completion at a time: skip the hopeless ones
-        rewards = [0.0 if h else tasks.score(reward, tokenizer.decode(t, skip_special_tokens=True), answer)
-                   for h, t in zip(hopeless, comps)]
+        rewards = [0.0 if h else tasks.score(reward, tokenizer.decode(a.tolist(), skip_special_tokens=True), answer)
+                   for h, a in zip(hopeless, arrays)]
     else:  # the volunteer scored with this same call (client/worker.py): one group, its texts, its ids
+        comps = [a.tolist() for a in arrays]  # reward functions get TRL's completion_ids: lists of ints
         rewards = tasks.score_group(lease.prompt, [tokenizer.decode(t, skip_special_tokens=True) for t in comps],
                                     comps).rewards
     for c, expected in zip(group.completions, rewards):
         if abs(expected - c.reward) > REWARD_TOLERANCE:
             raise ProtocolError(RejectCode.REWARD_MISMATCH, f"claimed {c.reward:.4f}, recomputed {expected:.4f}")
-    lps = [c.logprob_array().tolist() for c in group.completions]  # float32 already (protocol/messages.py)
-    return TrainGroup(prompt_ids, comps, lps, rewards, batch.adapter_version, batch.sampling.temperature,
+    # The learner gets arrays (int32 ids, float32 logprobs: views of the verified payload), not 64 x 512 Python
+    # ints and floats per batch — those lists were a third of ingest's time (docs/benchmarks.md).
+    lps = [c.logprob_array() for c in group.completions]
+    return TrainGroup(prompt_ids, arrays, lps, rewards, batch.adapter_version, batch.sampling.temperature,
                       batch.client_name, truncated=truncated)

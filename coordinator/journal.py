@@ -19,7 +19,7 @@ import msgspec
 
 from asyncrl.protocol.atomic import write_atomic
 
-from .learner import TrainGroup
+from .learner import TrainGroup, encode_hook
 
 
 class JournalEntry(msgspec.Struct, frozen=True):
@@ -36,6 +36,7 @@ class JournalEntry(msgspec.Struct, frozen=True):
 
 
 _decoder = msgspec.msgpack.Decoder(JournalEntry)
+_encoder = msgspec.msgpack.Encoder(enc_hook=encode_hook)  # ingest's groups hold numpy arrays
 
 
 class IngestJournal:
@@ -53,7 +54,7 @@ class IngestJournal:
                              signer=getattr(batch, "signer", ""), signer_key=getattr(batch, "signer_key", b""),
                              engine_dtype=getattr(batch, "engine_dtype", ""))
         final = self.path / f"{entry.batch_id.hex()}.entry"
-        write_atomic(final, msgspec.msgpack.encode(entry))  # fsyncs the file and the directory
+        write_atomic(final, _encoder.encode(entry))  # fsyncs the file and the directory
 
     def remove(self, batch_id: bytes) -> None:
         (self.path / f"{batch_id.hex()}.entry").unlink(missing_ok=True)

@@ -27,6 +27,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from asyncrl.protocol.messages import LoraSpec
@@ -38,11 +39,13 @@ from .loss import (LossConfig, LossTotals, StepNormaliser, group_advantages, ove
 
 @dataclass
 class TrainGroup:
-    """One prompt's G completions, as the learner needs them."""
+    """One prompt's G completions, as the learner needs them. Ingest hands over numpy arrays (int32 ids,
+    float32 logprobs: views of the verified payload, no per-token Python objects); lists work the same
+    (tests, a journal replayed from disk). `encode_hook` writes either as msgpack lists."""
 
     prompt_ids: list[int]
-    completions: list[list[int]]
-    sampling_logprobs: list[list[float]]
+    completions: list[list[int]]       # or int32 arrays (coordinator/ingest.py)
+    sampling_logprobs: list[list[float]]  # or float32 arrays
     rewards: list[float]
     version: int
     temperature: float = 1.0
@@ -60,9 +63,9 @@ class TrainGroup:
 class Row:
     """One completion of a step, as a micro-batch needs it."""
 
-    ids: list[int]           # prompt + completion
+    ids: list[int]           # prompt + completion (an int64 array from rows_of)
     prompt_len: int
-    sampling_logprobs: list[float]
+    sampling_logprobs: list[float]  # (a float32 array from rows_of)
     reward: float
     group: int               # index of its group in the step
     temperature: float = 1.0
@@ -79,10 +82,24 @@ class Row:
         return self.loss_mask if self.loss_mask is not None else [1.0] * self.comp_len
 
 
+def encode_hook(obj):
+    """msgspec `enc_hook` for `TrainGroup`s holding numpy arrays (the journal, the DDP broadcast): plain
+    msgpack lists, so either form decodes as the annotated `list[list[int]]` / `list[list[float]]`."""
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
 def rows_of(groups: list[TrainGroup]) -> list[Row]:
-    """Rows in group order (the order the audit hook and `collate_groups` use)."""
-    return [Row(list(g.prompt_ids) + list(comp), len(g.prompt_ids), list(lp), float(r), gi, g.temperature)
-            for gi, g in enumerate(groups) for comp, lp, r in zip(g.completions, g.sampling_logprobs, g.rewards)]
+    """Rows in group order (the order the audit hook and `collate_groups` use); ids int64 and sampling
+    logprobs float32 arrays, whether the group holds arrays (ingest) or lists."""
+    rows = []
+    for gi, g in enumerate(groups):
+        prompt = np.asarray(g.prompt_ids, dtype=np.int64)
+        for comp, lp, r in zip(g.completions, g.sampling_logprobs, g.rewards):
+            rows.append(Row(np.concatenate((prompt, np.asarray(comp, dtype=np.int64))), len(prompt),
+                            np.array(lp, dtype=np.float32), float(r), gi, g.temperature))
+    return rows
 
 
 def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -352,10 +369,10 @@ def collate_rows(rows: list[Row], pad_id: int, device) -> dict[str, torch.Tensor
     mask = torch.zeros((len(rows), tmax))
     slp = torch.zeros((len(rows), tmax))
     for i, r in enumerate(rows):
-        ids[i, :len(r.ids)] = torch.tensor(r.ids)
+        ids[i, :len(r.ids)] = torch.as_tensor(r.ids)
         attn[i, :len(r.ids)] = 1
         mask[i, :r.comp_len] = torch.tensor(r.mask(), dtype=torch.float32)
-        slp[i, :r.comp_len] = torch.tensor(r.sampling_logprobs, dtype=torch.float32)
+        slp[i, :r.comp_len] = torch.as_tensor(r.sampling_logprobs, dtype=torch.float32)
     return {"ids": ids.to(device), "attn": attn.to(device), "mask": mask.to(device),
             "sampling_logps": slp.to(device),
             "adv": torch.tensor([r.advantage for r in rows], dtype=torch.float32).to(device),
