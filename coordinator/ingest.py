@@ -456,15 +456,16 @@ def rescore_group(tokenizer, group: messages.RolloutGroup, lease, batch: message
         raise ProtocolError(RejectCode.MALFORMED, "completion longer than max_new_tokens")
     floors = bounds.lower_bounds(arrays) if bounds is not None else [0] * len(arrays)
     truncated = []
-    for c, toks in zip(group.completions, arrays):
-        if stop_token_ids:
-            finish = messages.derive_finish_reason(toks, stop_token_ids, max_new_tokens=batch.sampling.max_new_tokens,
-                                                   prompt_len=len(prompt_ids), context_limit=context_limit)
+    if stop_token_ids:
+        finishes = messages.derive_finish_reasons(arrays, stop_token_ids, max_new_tokens=batch.sampling.max_new_tokens,
+                                                  prompt_len=len(prompt_ids), context_limit=context_limit)
+        for c, finish in zip(group.completions, finishes):
             if finish != c.finish_reason:
                 raise ProtocolError(RejectCode.MALFORMED, f"finish_reason {c.finish_reason!r}, the tokens say {finish!r}")
             truncated.append(finish == "length")
-        else:  # no pinned stop set (in-process tests): only a full-length completion counts as truncated
-            truncated.append(len(toks) == batch.sampling.max_new_tokens and c.finish_reason == "length")
+    else:  # no pinned stop set (in-process tests): only a full-length completion counts as truncated
+        truncated = [len(a) == batch.sampling.max_new_tokens and c.finish_reason == "length"
+                     for c, a in zip(group.completions, arrays)]
     hopeless = [bounds is not None and tasks.impossible(reward, floor, answer) for floor in floors]
     if any(hopeless):  # only `exact`, a simple reward scored one completion at a time: skip the hopeless ones
         rewards = [0.0 if h else tasks.score(reward, tokenizer.decode(a.tolist(), skip_special_tokens=True), answer)

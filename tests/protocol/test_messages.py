@@ -32,6 +32,7 @@ from asyncrl.protocol.messages import (
     encode,
     validate_manifest,
     derive_finish_reason,
+    derive_finish_reasons,
     validate_rollout_batch,
 )
 
@@ -350,6 +351,18 @@ def test_finish_reason_is_derived_from_the_tokens(tokens, max_new, want):
 ])
 def test_impossible_endings_are_malformed(tokens, max_new):
     assert code_of(derive_finish_reason, tokens, STOPS, max_new_tokens=max_new) is RejectCode.MALFORMED
+
+
+def test_a_group_gets_the_same_rule_in_one_pass():
+    """derive_finish_reasons (ingest: one numpy pass per group) says what the single rule says of each
+    completion; a stop token ending one completion never excuses the next, and arrays work like lists."""
+    group = [[5, 6, 151645], np.array([151643, 5, 6, 7], dtype="<i4"), [5] * 8, np.array([151643], dtype="<i4")]
+    ok = [group[0], group[2], group[3]]
+    assert derive_finish_reasons(ok, STOPS, max_new_tokens=8) == ["stop", "length", "stop"]
+    assert [derive_finish_reason(t, STOPS, max_new_tokens=8) for t in ok] == ["stop", "length", "stop"]
+    assert code_of(derive_finish_reasons, group, STOPS, max_new_tokens=8) is RejectCode.MALFORMED  # 2nd goes on
+    assert code_of(derive_finish_reasons, [[5] * 8, []], STOPS, max_new_tokens=8) is RejectCode.MALFORMED
+    assert code_of(derive_finish_reasons, [[5] * 8, [5, 6]], STOPS, max_new_tokens=8) is RejectCode.MALFORMED
 
 
 def test_the_model_context_also_ends_a_completion():
