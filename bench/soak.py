@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+MAX_NEW_TOKENS = 8  # the coordinator's --max-new-tokens; every synthetic completion is this long
 
 
 def rss_mb(pid: int) -> float:
@@ -83,6 +84,11 @@ class SyntheticVolunteer(threading.Thread):
         self.pool, self.prompts_per_lease, self.rec = pool, prompts_per_lease, rec
         self.stop = threading.Event()
         self.errors: dict[str, int] = {}
+        self.examples: dict[str, str] = {}  # the first message seen for each error code
+
+    def _error(self, code: str, message: str) -> None:
+        self.errors[code] = self.errors.get(code, 0) + 1
+        self.examples.setdefault(code, message[:300])
 
     def run(self) -> None:
         from asyncrl import tasks
@@ -121,12 +127,12 @@ class SyntheticVolunteer(threading.Thread):
                     if ack.accepted and ack.code is None:
                         self.rec(ms)
                     else:
-                        self.errors[ack.code or "?"] = self.errors.get(ack.code or "?", 0) + 1
+                        self._error(ack.code or "?", f"submit refused: {ack.detail}")
             except ProtocolError as exc:
-                self.errors[exc.code.value] = self.errors.get(exc.code.value, 0) + 1
+                self._error(exc.code.value, str(exc))
                 time.sleep(0.2)
-            except TransportError:
-                self.errors["transport"] = self.errors.get("transport", 0) + 1
+            except TransportError as exc:
+                self._error("transport", str(exc))
                 time.sleep(0.5)
 
 
@@ -149,7 +155,7 @@ def main() -> int:
     run = Path(tempfile.mkdtemp(prefix="soak-run-"))
     coord_args = [sys.executable, "-m", "asyncrl.coordinator.cli", "run", "--model", "tiny", "--run-dir", str(run),
                   "--run-id", "soak", "--max-steps", "0", "--threads", "1", "--no-dashboard", "--no-audit",
-                  "--group-size", "2", "--max-new-tokens", "8", "--groups-per-step", "64", "--min-groups", "1",
+                  "--group-size", "2", "--max-new-tokens", str(MAX_NEW_TOKENS), "--groups-per-step", "64", "--min-groups", "1",
                   "--max-wait-s", "0.5", "--max-inflight-groups", "512", "--prompts-per-lease", "8",
                   "--checkpoint-every", "50", "--identity-rate", "2000", "--identity-burst", "4000",
                   "--peer-rate", "4000", "--peer-burst", "8000", "--new-identity-burst", "64"]
@@ -168,8 +174,9 @@ def main() -> int:
         tok = tinymodel.build_tokenizer()
         rng = np.random.default_rng(0)
         pool = []
-        for _ in range(256):  # pre-generated completions: random tokens from the vocabulary, random logprobs
-            toks = rng.integers(1, len(tinymodel.CHARS) + 1, size=int(rng.integers(2, 9))).astype("<i4")
+        for _ in range(256):  # pre-generated completions: random tokens from the vocabulary, random logprobs;
+            # all of max_new_tokens without a stop token, so "length" is their true finish reason (ingest checks it)
+            toks = rng.integers(1, len(tinymodel.CHARS) + 1, size=MAX_NEW_TOKENS).astype("<i4")
             lps = (-rng.uniform(0.1, 5.0, size=len(toks))).astype("<f4")
             pool.append((toks.tobytes(), lps.tobytes(), tok.decode(toks.tolist(), skip_special_tokens=True)))
         lock = threading.Lock()
@@ -220,6 +227,7 @@ def main() -> int:
             "handler_p50_ms": {"start": round(quantile(latencies[args.warmup:args.warmup + args.window], 0.5), 2),
                                "end": round(quantile(latencies[-args.window:], 0.5), 2)},
             "volunteer_errors": {k: sum(v.errors.get(k, 0) for v in vols) for k in {k for v in vols for k in v.errors}},
+            "volunteer_error_examples": {k: m for v in vols for k, m in v.examples.items()},
             "goals": {"rss_slope_mb_per_10k": 20, "handler_p99_end_over_start": 2.0, "batches": args.batches,
                       "minutes": 15},
             "load_start": load_start, "load_end": load(),
