@@ -8,18 +8,30 @@ final lineage. Entries are deleted once a retained checkpoint covers them (`disc
 
 Format: one file per batch, `<batch id hex>.entry`, msgpack of `JournalEntry` (verified, decoded
 groups plus the prompt ids they answer) — no pickle; written to a temp name, fsynced, renamed, so a
-crash leaves whole entries or none.
+crash leaves whole entries or none. Each group's token ids and sampling logprobs are written as the
+little-endian int32 / float32 bytes they arrived as (`GroupArrays`; ~270 KB and ~0.1 ms per 8 x 8 x 512
+batch, against 433 KB and 1.7 ms as msgpack lists) and come back as numpy arrays; entries written before
+(`arrays` empty, lists inside `groups`) still read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import msgspec
+import numpy as np
 
 from asyncrl.protocol.atomic import write_atomic
 
 from .learner import TrainGroup, encode_hook
+
+
+class GroupArrays(msgspec.Struct, frozen=True, array_like=True):
+    """One group's completions (int32 LE) and sampling logprobs (float32 LE), one bytes per completion."""
+
+    tokens: list[bytes]
+    logprobs: list[bytes]
 
 
 class JournalEntry(msgspec.Struct, frozen=True):
@@ -33,6 +45,7 @@ class JournalEntry(msgspec.Struct, frozen=True):
     signer: str = ""
     signer_key: bytes = b""  # the raw key: a replayed batch's pending audit can credit or strike it
     engine_dtype: str = ""   # its engine's dtype (the pending audit's tolerance)
+    arrays: list[GroupArrays] = []  # per group, its ids and logprobs (then empty in `groups`); [] = older entry
 
 
 _decoder = msgspec.msgpack.Decoder(JournalEntry)
@@ -50,7 +63,9 @@ class IngestJournal:
         """Durably record an `ingest.AcceptedBatch` (call before acking it)."""
         entry = JournalEntry(batch_id=batch.batch_id, client=batch.client, version=batch.version,
                              reward_mean=batch.reward_mean, received_at=batch.received_at,
-                             prompt_ids=list(batch.prompt_ids), groups=list(batch.groups),
+                             prompt_ids=list(batch.prompt_ids),
+                             groups=[dataclasses.replace(g, completions=[], sampling_logprobs=[]) for g in batch.groups],
+                             arrays=[_arrays_of(g) for g in batch.groups],
                              signer=getattr(batch, "signer", ""), signer_key=getattr(batch, "signer_key", b""),
                              engine_dtype=getattr(batch, "engine_dtype", ""))
         final = self.path / f"{entry.batch_id.hex()}.entry"
@@ -64,7 +79,7 @@ class IngestJournal:
 
     def entries(self) -> list[JournalEntry]:
         """All entries, in the order they were received."""
-        out = [_decoder.decode(p.read_bytes()) for p in self.path.glob("*.entry")]
+        out = [_joined(_decoder.decode(p.read_bytes())) for p in self.path.glob("*.entry")]
         return sorted(out, key=lambda e: e.received_at)
 
     def discard_trained(self, trained: set[bytes]) -> int:
@@ -77,3 +92,21 @@ class IngestJournal:
 
     def __len__(self) -> int:
         return sum(1 for _ in self.path.glob("*.entry"))
+
+
+def _arrays_of(group: TrainGroup) -> GroupArrays:
+    return GroupArrays(tokens=[np.asarray(c, dtype="<i4").tobytes() for c in group.completions],
+                       logprobs=[np.asarray(lp, dtype="<f4").tobytes() for lp in group.sampling_logprobs])
+
+
+def _joined(entry: JournalEntry) -> JournalEntry:
+    """The entry with each group's arrays back inside it (an older entry, lists inside, as it is)."""
+    if not entry.arrays:
+        return entry
+    if len(entry.arrays) != len(entry.groups) or any(len(a.tokens) != len(g.rewards) or len(a.logprobs) != len(a.tokens)
+                                                     for g, a in zip(entry.groups, entry.arrays)):
+        raise ValueError(f"journal entry {entry.batch_id.hex()}: its arrays do not match its groups")
+    groups = [dataclasses.replace(g, completions=[np.frombuffer(t, dtype="<i4") for t in a.tokens],
+                                  sampling_logprobs=[np.frombuffer(lp, dtype="<f4") for lp in a.logprobs])
+              for g, a in zip(entry.groups, entry.arrays)]
+    return msgspec.structs.replace(entry, groups=groups, arrays=[])

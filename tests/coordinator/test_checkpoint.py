@@ -174,3 +174,30 @@ def test_exactly_once_across_a_crash(tmp_path, model_path):
     b.ckpt.save()
     b.ckpt.save()
     assert len(b.journal) == 0  # covered by both retained checkpoints: the journal is empty again
+
+
+def test_journal_keeps_arrays_as_bytes_and_reads_older_list_entries(tmp_path):
+    """Ingest's array groups come back from the journal equal (ids int32, logprobs float32), written as raw
+    bytes; an entry from before (lists inside the groups, no `arrays`) still reads."""
+    import msgspec
+
+    from asyncrl.coordinator.ingest import AcceptedBatch
+    from asyncrl.coordinator.journal import JournalEntry
+    from asyncrl.coordinator.learner import TrainGroup, rows_of
+
+    rng = np.random.default_rng(0)
+    groups = [TrainGroup([1, 2, 3], [rng.integers(0, 151_933, 510 + i, dtype=np.int64).astype("<i4") for i in range(3)],
+                         [(-rng.exponential(1.0, 510 + i)).astype("<f4") for i in range(3)], [0.0, 1.0, 0.5], version=2,
+                         truncated=[True, False, False]) for _ in range(2)]
+    journal = IngestJournal(tmp_path / "journal")
+    journal.put(AcceptedBatch(b"a" * 32, "alice", groups, 0.5, 2, 1.0, prompt_ids=("p1", "p2")))
+    old = JournalEntry(b"b" * 32, "bob", 2, 0.5, 2.0, ["p3"], [TrainGroup([1], [[5, 6]], [[-0.5, -1.5]], [1.0], 2)])
+    (tmp_path / "journal" / f"{(b'b' * 32).hex()}.entry").write_bytes(msgspec.msgpack.encode(old))
+    new_entry, old_entry = journal.entries()
+    assert [(r.ids.tolist(), r.sampling_logprobs.tolist()) for r in rows_of(new_entry.groups)] == \
+        [(r.ids.tolist(), r.sampling_logprobs.tolist()) for r in rows_of(groups)]
+    assert [g.truncated for g in new_entry.groups] == [g.truncated for g in groups]
+    assert old_entry.groups[0].completions == [[5, 6]] and old_entry.groups[0].sampling_logprobs == [[-0.5, -1.5]]
+    raw = sum(c.nbytes + lp.nbytes for g in groups for c, lp in zip(g.completions, g.sampling_logprobs))
+    size = (tmp_path / "journal" / f"{(b'a' * 32).hex()}.entry").stat().st_size
+    assert size < raw + 1024  # the bytes themselves (msgpack lists of these numbers: ~1.75x raw)
