@@ -5,6 +5,7 @@ a signed msgpack list bomb and an oversized name. alice and bob keep contributin
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 import time
 
@@ -102,6 +103,8 @@ def test_chunk_drain_gets_only_the_strangers_rate(mallory, swarm, strangers, att
     def honest_moved_on() -> bool:
         return all(max(swarm.status(n).get("versions_loaded", [0])) > versions0[n] for n in swarm.honest)
 
+    from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure  # p2pd could not open the stream
+
     async def drain(node):
         manifest, i = first, 0
         while not done.is_set():
@@ -122,7 +125,7 @@ def test_chunk_drain_gets_only_the_strangers_rate(mallory, swarm, strangers, att
                     continue
                 with lock:
                     codes.append(exc.code.value)
-            except (asyncio.IncompleteReadError, ConnectionError, OSError):  # hung up on without an answer
+            except (asyncio.IncompleteReadError, ConnectionError, OSError, ControlFailure):  # no answer
                 with lock:
                     codes.append("CLOSED")
             i += 1
@@ -137,8 +140,14 @@ def test_chunk_drain_gets_only_the_strangers_rate(mallory, swarm, strangers, att
     for t in threads:
         t.start()
     try:
-        wait_for(lambda: got["bytes"] >= SERVE_BURST + DRAIN_PAST_BURST and honest_moved_on(), 120,
-                 "the drain to pass the strangers' burst while alice and bob load a newer adapter")
+        try:
+            wait_for(lambda: got["bytes"] >= SERVE_BURST + DRAIN_PAST_BURST and honest_moved_on(), 120,
+                     "the drain to pass the strangers' burst while alice and bob load a newer adapter")
+        except AssertionError as exc:  # say which half was missing
+            loaded = {n: max(swarm.status(n).get("versions_loaded", [0])) for n in swarm.honest}
+            raise AssertionError(f"{exc}: drained {got}, drain threads alive {sum(t.is_alive() for t in threads)}"
+                                 f"/{len(threads)}, codes {dict(collections.Counter(codes))}, honest versions "
+                                 f"{versions0} -> {loaded}") from None
     finally:
         done.set()
         for t in threads:
