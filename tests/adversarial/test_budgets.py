@@ -4,10 +4,7 @@ a signed msgpack list bomb and an oversized name. alice and bob keep contributin
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import threading
-import time
 
 import msgspec
 import pytest
@@ -15,15 +12,11 @@ import pytest
 from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.errors import ProtocolError
 from asyncrl.protocol.identity import Identity
-from asyncrl.swarm.serving import chunk_request
-from asyncrl.swarm.streams import stream_name
 
 from tests.adversarial.swarm import (
     INBOUND_BYTES,
     MIN_UPLOAD_BPS,
     RUN_ID,
-    SERVE_BURST,
-    SERVE_NEW_BPS,
     MiB,
     wait_for,
 )
@@ -82,85 +75,6 @@ def test_slow_drip_and_stalled_headers_are_cut(mallory, swarm, strangers, attack
     assert drips == ["DEADLINE_EXCEEDED"] * 4 and stalled == ["DEADLINE_EXCEEDED"] * 4, (drips, stalled)
     for c in drips + stalled:
         rec.saw(c)
-
-
-DRAIN_PAST_BURST = 1 * MiB  # the drain runs until the strangers got this much beyond their burst
-
-
-def test_chunk_drain_gets_only_the_strangers_rate(mallory, swarm, strangers, attack):
-    rec = attack("chunk drain", f"{len(strangers)} fresh peer ids, 4 requests in flight each, fetch adapter chunks "
-                 f"from the coordinator as fast as it answers, until they got {DRAIN_PAST_BURST // MiB} MiB beyond "
-                 f"the strangers' burst and alice and bob have loaded a newer version meanwhile",
-                 note=f"peers without accepted batches share {SERVE_NEW_BPS // 1024} KiB/s (+ a "
-                      f"{SERVE_BURST // MiB} MiB burst); tried = requests beyond the burst, answered at that rate "
-                      f"(PACED), refused, or hung up on (CLOSED)")
-    versions0 = {n: max(swarm.status(n).get("versions_loaded", [0])) for n in swarm.honest}
-    got = {"bytes": 0, "requests": 0, "largest": 0}
-    codes: list[str] = []
-    lock, done = threading.Lock(), threading.Event()
-    first = mallory.follow().manifest
-
-    def honest_moved_on() -> bool:
-        return all(max(swarm.status(n).get("versions_loaded", [0])) > versions0[n] for n in swarm.honest)
-
-    from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure  # p2pd could not open the stream
-
-    async def drain(node):
-        manifest, i = first, 0
-        while not done.is_set():
-            try:
-                data = await node.acall(swarm.coordinator_peer, stream_name(RUN_ID, "chunk"),
-                                        chunk_request(manifest.version, i % len(manifest.chunk_hashes)),
-                                        max_response_bytes=manifest.chunk_bytes)
-                with lock:
-                    if got["bytes"] >= SERVE_BURST:
-                        codes.append("PACED")
-                    got["bytes"] += len(data)
-                    got["requests"] += 1
-                    got["largest"] = max(got["largest"], len(data))
-            except ProtocolError as exc:
-                if exc.code.value == "STALE_VERSION":  # the coordinator pruned it: drain its newest instead
-                    manifest = mallory.sync.current.manifest
-                    await asyncio.sleep(0.1)
-                    continue
-                with lock:
-                    codes.append(exc.code.value)
-            except (asyncio.IncompleteReadError, ConnectionError, OSError, ControlFailure):  # no answer
-                with lock:
-                    codes.append("CLOSED")
-            i += 1
-
-    def run(node):
-        async def four():
-            await asyncio.gather(*(drain(node) for _ in range(4)))
-        node.loops.run(four(), timeout=180)
-
-    t0 = time.monotonic()
-    threads = [threading.Thread(target=run, args=(n,)) for n in strangers]
-    for t in threads:
-        t.start()
-    try:
-        try:
-            wait_for(lambda: got["bytes"] >= SERVE_BURST + DRAIN_PAST_BURST and honest_moved_on(), 120,
-                     "the drain to pass the strangers' burst while alice and bob load a newer adapter")
-        except AssertionError as exc:  # say which half was missing
-            loaded = {n: max(swarm.status(n).get("versions_loaded", [0])) for n in swarm.honest}
-            raise AssertionError(f"{exc}: drained {got}, drain threads alive {sum(t.is_alive() for t in threads)}"
-                                 f"/{len(threads)}, codes {dict(collections.Counter(codes))}, honest versions "
-                                 f"{versions0} -> {loaded}") from None
-    finally:
-        done.set()
-        for t in threads:
-            t.join(60)
-    elapsed = time.monotonic() - t0
-    # What the strangers could take, all peer ids together: the burst, the rate, and one chunk per request in flight.
-    bound = SERVE_BURST + SERVE_NEW_BPS * elapsed + 4 * len(strangers) * got["largest"]
-    assert got["bytes"] <= bound, (got, bound, elapsed)
-    assert set(codes) <= {"PACED", "RATE_LIMITED", "CLOSED"}, set(codes)
-    for c in codes:
-        rec.saw(c)
-    rec.note += (f"; drained {got['bytes'] / MiB:.1f} MiB in {got['requests']} requests over {elapsed:.0f} s "
-                 f"(bound {bound / MiB:.1f} MiB)")
 
 
 def test_a_signed_list_bomb_is_refused_from_its_header(mallory, swarm, attack):

@@ -79,7 +79,7 @@ def test_coordinator_key_not_matching_the_address_fails_the_pointer_row(swarm):
 
 def test_clock_beyond_the_envelope_window_fails_the_clock_row(swarm):
     code, rows = doctor(swarm, swarm["join"], env={"ASYNCRL_TEST_CLOCK_SKEW_S": "900"})
-    assert failed(rows) == ["clock"] and rows["clock"]["fix"]
+    assert failed(rows) == ["clock"] and rows["clock"]["fix"], rows
     assert code == 1
 
 

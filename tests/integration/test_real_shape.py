@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, require_vllm, wait_for_join
+from tests.conftest import REPO, require_vllm, wait_for, wait_for_join
 from tests.realshape import write_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
@@ -107,6 +107,16 @@ def test_vllm_volunteers_at_a_real_vocabulary_train_a_trl_style_conversational_t
         # 8 completions each, nearly all at the full 256 tokens (a random 32k-vocab model rarely samples a stop token)
         n = GROUP * PROMPTS * BATCHES[name]
         assert status["rollouts"] == n and status["tokens"] >= 0.95 * NEW_TOKENS * n, status
+    # Acked is not yet trained: wait for the step of every batch before the operator stops the run (in CI run
+    # r2 the SIGTERM came while the third batch was still queued, and the run ended with 2 steps of 3).
+    n_batches = sum(BATCHES.values())
+
+    def all_trained() -> bool:
+        try:
+            return len(events(run, "step")) >= n_batches
+        except ValueError:  # a line still being written
+            return False
+    wait_for(all_trained, 300, f"{n_batches} learner steps")
     coord.send_signal(signal.SIGTERM)  # the operator stops it: final summary
     assert coord.wait(180) == 0, coord.log_path.read_text()[-3000:]
 
