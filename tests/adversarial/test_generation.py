@@ -32,7 +32,7 @@ def test_fabricated_logprobs(mallory, attack):
         current = mallory.follow()
         groups = replace_completions(mallory.generate(leases, current), lambda c: messages.Completion(
             c.token_ids, np.asarray(make(len(c.token_ids) // 4), dtype="<f4").tobytes(), c.reward, c.finish_reason))
-        code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, current.version))))
+        code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.coordinator_version))))
         rec.saw(code)
         assert code == "LOGPROB_MISMATCH"
 
@@ -43,7 +43,7 @@ def test_fabricated_completions(mallory, attack):
 
     ident = Identity.generate()
     leases = mallory.lease(ident, 1)
-    current = mallory.follow()  # hold the current adapter (the audit compares against it)
+    mallory.follow()  # hold the current adapter (the audit compares against it)
     tok = mallory.engine.tokenizer
     groups = []
     for lease in leases:
@@ -52,7 +52,7 @@ def test_fabricated_completions(mallory, attack):
         comps = tuple(completion(ids, [-0.01] * len(ids), reward) for _ in range(lease.group_size))
         groups.append(messages.RolloutGroup(lease_id=lease.lease_id, prompt_id=lease.prompt_id,
                                             prompt_token_ids=lease.prompt_token_ids, completions=comps))
-    code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, current.version))))
+    code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.coordinator_version))))
     rec.saw(code)
     assert code == "LOGPROB_MISMATCH"
 
@@ -62,24 +62,23 @@ def test_completions_from_another_adapter_version(mallory, swarm, attack):
     oldest = min(mallory.adapters)
     current = mallory.follow(at_least=oldest + 3)  # let the policy move on from what she kept
     # (a) old tokens and logprobs, claimed as the current version (dodging the staleness bound)
-    # Claims name versions she fetched, so they were published: the learner's own version (the grant's
-    # current_version) can be ahead of the publisher, or superseded and never published (FUTURE_VERSION).
     ident = Identity.generate()
     leases = mallory.lease(ident, 1)
     current = mallory.follow()
     groups = mallory.generate(leases, mallory.adapters[oldest])
-    code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, current.version))))
+    code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.coordinator_version))))
     rec.saw(code)
     assert code == "LOGPROB_MISMATCH"
     # (b) her newest tokens, claimed as another version that is still held (max_staleness is 16 here).
     # Far apart: late in training adjacent versions can be closer than the tolerance — and
     # then the claim is also harmless (docs/SECURITY.md); the calibration covers 1-4 apart early on.
-    earlier = mallory.follow()  # published, and still held when she claims it (6 versions on, max_staleness 16)
-    current = mallory.follow(at_least=earlier.version + 6)
     ident = Identity.generate()
     leases = mallory.lease(ident, 1)
+    current = mallory.follow()
     groups = mallory.generate(leases, current)
-    code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, earlier.version))))
+    cv = mallory.coordinator_version  # claim whichever end of the held window is farther from her version
+    claim = max((max(0, cv - 10), cv), key=lambda c: abs(c - current.version))
+    code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, claim))))
     rec.saw(code)
     assert code == "LOGPROB_MISMATCH"
 
@@ -95,6 +94,6 @@ def test_completions_from_another_base_model(mallory, attack):
     other = tinymodel.write_tiny_model(tinymodel.default_tiny_model_dir().with_name("tiny-other-base"), seed=1)
     engine = TransformersEngine(str(other), current.manifest.lora, seed=3)
     groups = mallory.generate(leases, current, engine=engine)
-    code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, current.version))))
+    code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.coordinator_version))))
     rec.saw(code)
     assert code == "LOGPROB_MISMATCH"
