@@ -177,7 +177,6 @@ class Mallory:
         self.engine = None
         self.identity = Identity.generate()
         self.coordinator_version = 0  # the learner's version as of her last lease grant
-        self.lease_transport_errors = 0  # lease streams that broke without an answer (retried)
 
     # ---- tools ----------------------------------------------------------------------------------
     def new_node(self):
@@ -280,15 +279,13 @@ class Mallory:
 
     def lease(self, ident: Identity, n: int = 1, node=None, timeout: float = 90.0) -> list[messages.TaskLease]:
         """Lease prompts as `ident`, retrying while the coordinator has no room (or brakes new keys), and
-        after a stream that broke without an answer, as the real client's lease loop does (client/worker.py);
-        those are counted in `lease_transport_errors`."""
+        after a stream that broke without an answer, as the real client's lease loop does (client/worker.py)."""
         from asyncrl.swarm.transport import TransportError
 
         def attempt():
             try:
                 grant = self.lease_once(ident, n, node)
             except TransportError:
-                self.lease_transport_errors += 1
                 time.sleep(1.0)
                 return None
             except ProtocolError as exc:
