@@ -25,6 +25,7 @@ import socket
 import threading
 import time
 from concurrent.futures import Future
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Sequence
 
@@ -233,7 +234,40 @@ def _static_relays_patch() -> None:
         return original(*args, **kwargs)
 
     p2p_daemon.P2P._make_process_args = staticmethod(make_process_args)
+    _listen_backlog_patch()
     _PATCHED = True
+
+
+LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn (4096 on Linux >= 5.4)
+
+
+def _listen_backlog_patch() -> None:
+    """Give hivemind's handler socket a deep accept queue. p2pd hands every inbound stream to this process
+    by dialing a unix socket that hivemind 1.1.12 opens with asyncio's default backlog of 100; when more
+    streams than that arrive while the event loop is busy (a burst of volunteers, a flood, a GIL-starved
+    loop), p2pd's dial fails with EAGAIN and it resets the stream: the caller reads 0 bytes, with no answer
+    and no code. Measured (2026-12-01): 150 concurrent calls during a 3 s stall of the server's loop, 49
+    closed unanswered (150 - 101); with this backlog, none (each got its answer or RATE_LIMITED from
+    swarm/inbound.py). Regression test: tests/integration/test_stream_burst.py."""
+    from hivemind.p2p.p2p_daemon_bindings import control
+    from hivemind.utils.multiaddr import protocols
+
+    @asynccontextmanager
+    async def listen(self):
+        proto_code = control.parse_conn_protocol(self.listen_maddr)
+        if proto_code == protocols.P_UNIX:
+            server = await asyncio.start_unix_server(
+                self._handler, path=self.listen_maddr.value_for_protocol(protocols.P_UNIX), backlog=LISTEN_BACKLOG)
+        elif proto_code == protocols.P_IP4:
+            server = await asyncio.start_server(
+                self._handler, host=self.listen_maddr.value_for_protocol(protocols.P_IP4),
+                port=int(self.listen_maddr.value_for_protocol(protocols.P_TCP)), backlog=LISTEN_BACKLOG)
+        else:
+            raise ValueError(f"Protocol not supported: {protocols.protocol_with_code(proto_code)}")
+        async with server:
+            yield self
+
+    control.ControlClient.listen = listen
 
 
 class SwarmNode:
