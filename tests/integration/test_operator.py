@@ -161,43 +161,60 @@ def chromium():
     return webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
 
 
+# The page re-renders its tables on every poll (replaceChildren), so an element found in one poll is
+# stale in the next (CI, 0903ed2: StaleElementReferenceException on a contributors row). Every read is
+# one snapshot taken by a script, which the page's single thread runs between two renders.
+_SNAPSHOT_JS = """
+const rows = (sel, key) => [...document.querySelectorAll(sel)].map(
+  (tr) => ({key: tr.getAttribute(key), cells: [...tr.querySelectorAll("td")].map((td) => td.innerText.trim())}));
+const text = (id) => document.getElementById(id).innerText.trim();
+const count = (sel) => document.querySelectorAll(sel).length;
+return {
+  swarm: rows("#swarm tbody tr[data-volunteer]", "data-volunteer"),
+  contributors: rows("#contributors tbody tr[data-contributor]", "data-contributor"),
+  markup: count("#swarm tbody i, #swarm tbody b"),
+  version: text("version"), ess: text("ess"), join: text("join"),
+  reward_lines: count("#reward_chart polyline"),
+  staleness_lines: count("#staleness_chart polyline"),
+  offpolicy_lines: count("#offpolicy_chart polyline"),
+};
+"""
+
+
 def test_dashboard_in_headless_chromium(swarm):
     assert CHROMIUM.exists() and CHROMEDRIVER.exists(), \
         "Debian's chromium and chromium-driver are missing: `make test` installs them (apt-get)"
-    from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
     driver = chromium()
     try:
         driver.get(swarm.url)
 
-        def rows_with_lag(d):
-            rows = d.find_elements(By.CSS_SELECTOR, "#swarm tbody tr[data-volunteer]")
-            lags = [r.find_element(By.CSS_SELECTOR, "td.lag").text for r in rows]
-            return len(rows) == 2 and all(lag.isdigit() for lag in lags) and rows
+        def ready(d):
+            """A rendered state with both volunteers (lag shown), both contributors and the reward chart."""
+            snap = d.execute_script(_SNAPSHOT_JS)
+            lags = [r["cells"][3] for r in snap["swarm"]]
+            return (len(snap["swarm"]) == 2 and all(lag.isdigit() for lag in lags)
+                    and len(snap["contributors"]) == 2 and snap["reward_lines"] > 0 and snap)
 
-        rows = WebDriverWait(driver, 120, poll_frequency=0.5).until(rows_with_lag)
-        assert {r.get_attribute("data-volunteer") for r in rows} == swarm.names
+        snap = WebDriverWait(driver, 180, poll_frequency=0.5).until(ready)
         status = {v["name"]: v for v in swarm.status()["volunteers"]}
-        for row in rows:
-            name = row.get_attribute("data-volunteer")
-            cells = row.find_elements(By.TAG_NAME, "td")
-            assert cells[0].text == name                     # shown as text, exactly as reported
-            assert cells[1].text == status[name]["fingerprint"]
-            assert re.fullmatch(r"v\d+", cells[2].text)      # version held
-            assert int(cells[3].text) >= 0                    # lag
-        assert not driver.find_elements(By.CSS_SELECTOR, "#swarm tbody i, #swarm tbody b")  # no injected markup
-        contributors = WebDriverWait(driver, 120, poll_frequency=0.5).until(
-            lambda d: (lambda r: len(r) == 2 and r)(d.find_elements(By.CSS_SELECTOR, "#contributors tr[data-contributor]")))
+        assert {r["key"] for r in snap["swarm"]} == swarm.names
+        for row in snap["swarm"]:
+            cells = row["cells"]
+            assert cells[0] == row["key"]                          # shown as text, exactly as reported
+            assert cells[1] == status[row["key"]]["fingerprint"]
+            assert re.fullmatch(r"v\d+", cells[2])                 # version held
+            assert int(cells[3]) >= 0                               # lag
+        assert snap["markup"] == 0                                  # no injected markup
         fingerprints = {v["fingerprint"] for v in status.values()}
-        assert {r.get_attribute("data-contributor") for r in contributors} == fingerprints  # one row per key
-        assert all(int(r.find_elements(By.TAG_NAME, "td")[3].text) > 0 for r in contributors)  # accepted tokens
-        assert re.fullmatch(r"v\d+", driver.find_element(By.ID, "version").text)
-        WebDriverWait(driver, 60).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#reward_chart polyline"))
-        assert driver.find_elements(By.CSS_SELECTOR, "#staleness_chart polyline")
-        assert len(driver.find_elements(By.CSS_SELECTOR, "#offpolicy_chart polyline")) == 2  # ESS, masked
-        assert 0.0 < float(driver.find_element(By.ID, "ess").text) <= 1.0
-        assert driver.find_element(By.ID, "join").text == swarm.join_command
+        assert {r["key"] for r in snap["contributors"]} == fingerprints  # one row per key
+        assert all(int(r["cells"][3]) > 0 for r in snap["contributors"])  # accepted tokens
+        assert re.fullmatch(r"v\d+", snap["version"])
+        assert snap["staleness_lines"] > 0
+        assert snap["offpolicy_lines"] == 2                         # ESS, masked
+        assert 0.0 < float(snap["ess"]) <= 1.0
+        assert snap["join"] == swarm.join_command
         ARTIFACTS.mkdir(exist_ok=True)
         assert driver.save_screenshot(str(ARTIFACTS / "dashboard.png"))
     finally:
