@@ -9,10 +9,15 @@ Owned here and nowhere else:
     contact is not);
   * a per-identity quota: accepted batches per rolling hour;
   * strikes. An identity is struck only for evidence of a lie that needs its private key and that
-    honest code cannot produce: FUTURE_VERSION, MALFORMED after a valid signature, and a generation
-    audit failure the quarantine confirmed (coordinator/audit.py). Not for REWARD_MISMATCH (we train on
-    our own recomputed rewards, so the claim cannot reach a gradient; an honest volunteer can differ
-    through a verifier version or timeout of its own), not for anything our side could not finish
+    honest code cannot produce: MALFORMED after a valid signature, and a generation audit failure the
+    quarantine confirmed (coordinator/audit.py). Not for REWARD_MISMATCH (we train on our own recomputed
+    rewards, so the claim cannot reach a gradient; an honest volunteer can differ through a verifier
+    version or timeout of its own), not for FUTURE_VERSION (a coordinator restarted without --resume
+    under the same key numbers its versions from 0 again, so every honest volunteer still holding the
+    old lineage's newer adapter, and every batch it spooled during the outage, claims a version this
+    lineage has not published; striking those banned an honest volunteer within 3 batches, CI
+    2026-12-02 test_coordinator_restart_does_not_kill_clients; the batch is refused either way, so the
+    claim never reaches a gradient), not for anything our side could not finish
     (UNSCORABLE), and never for replays, expired timestamps or a foreign audience: anyone can replay
     someone else's envelope, and strikes must not be a way to get an honest volunteer banned.
     Unattributable garbage (bad signature, undecodable envelope) strikes the transport peer instead.
@@ -56,10 +61,10 @@ from asyncrl.protocol.identity import PUBLIC_KEY_BYTES, fingerprint, peer_id_fro
 from asyncrl.swarm.rate import TokenBucket
 
 # Offences that only the holder of the signing key can commit (the payload itself is the lie).
-IDENTITY_STRIKES = frozenset({RejectCode.LOGPROB_MISMATCH, RejectCode.FUTURE_VERSION, RejectCode.MALFORMED})
+IDENTITY_STRIKES = frozenset({RejectCode.LOGPROB_MISMATCH, RejectCode.MALFORMED})
 # Suspicious but not proof (honest code can produce it): no strike, the key loses its track record
-# (audited on every batch again).
-IDENTITY_SUSPICIONS = frozenset({RejectCode.REWARD_MISMATCH})
+# (audited on every batch again). FUTURE_VERSION: see "strikes" in the module docstring.
+IDENTITY_SUSPICIONS = frozenset({RejectCode.REWARD_MISMATCH, RejectCode.FUTURE_VERSION})
 # Offences with no verified signer behind them: charge the (libp2p-authenticated) transport peer.
 PEER_STRIKES = frozenset({RejectCode.SIGNATURE_MISMATCH, RejectCode.MALFORMED, RejectCode.UNSUPPORTED_VERSION,
                           RejectCode.PAYLOAD_TOO_LARGE})

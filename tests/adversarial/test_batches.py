@@ -100,19 +100,26 @@ def test_sampling_parameters_not_as_leased(mallory, attack):
 
 
 def test_repeat_offender_is_banned(mallory, swarm, attack):
-    rec = attack("repeat offender", f"a forged-reward batch (refused, no strike: rewards are recomputed anyway), then "
-                 f"{MAX_STRIKES} batches claiming an unpublished version, then honest work from the same key",
+    rec = attack("repeat offender", f"a forged-reward batch and {MAX_STRIKES} claiming an unpublished version (refused, "
+                 f"no strike: rewards are recomputed anyway, and a restarted coordinator's honest volunteers claim "
+                 f"such versions), then {MAX_STRIKES} signed batches with sampling not as leased (MALFORMED), then "
+                 f"honest work from the same key",
                  note=f"banned after max_strikes={MAX_STRIKES}")
     ident = Identity.generate()
     groups, version = leased_groups(mallory, ident)
     forged = replace_completions(groups, lambda c: messages.Completion(c.token_ids, c.logprobs,
                                                                        1.0 if c.reward < 1 else 0.0, c.finish_reason))
     assert mallory.submit(mallory.seal(ident, messages.encode(mallory.batch(forged, version))))[0] == "REWARD_MISMATCH"
-    assert ident.fingerprint not in swarm.trust().get("access", {}).get("banned", [])
-    for _ in range(MAX_STRIKES):  # a lie only the key's holder can tell: a version that was never published
+    for _ in range(MAX_STRIKES):  # honest code claims such versions after a coordinator restart: no strike
         groups, version = leased_groups(mallory, ident)
         assert mallory.submit(mallory.seal(ident, messages.encode(mallory.batch(groups, version + 1000))))[0] == \
             "FUTURE_VERSION"
+    assert ident.fingerprint not in swarm.trust().get("access", {}).get("banned", [])
+    lied = messages.SamplingParams(temperature=0.1, max_new_tokens=8)
+    for _ in range(MAX_STRIKES):  # a lie only the key's holder can tell: signed, and not what it was leased
+        groups, version = leased_groups(mallory, ident)
+        assert mallory.submit(mallory.seal(ident, messages.encode(mallory.batch(groups, version, sampling=lied))))[0] \
+            == "MALFORMED"
     assert wait_for(lambda: ident.fingerprint in swarm.trust().get("access", {}).get("banned", []), 30, "the ban")
     with pytest.raises(Exception) as e:  # leases refused too
         mallory.lease_once(ident)

@@ -136,7 +136,7 @@ def test_strikes_only_for_lies_and_ban_after_max():
     assert ac.strikes(ALICE.public_key) == 0 and ac.valid_streak(ALICE.public_key) == 0  # ...but audited again
     ac.record_accepted(MALLORY.public_key)
     assert ac.valid_streak(MALLORY.public_key) == 1
-    assert not ac.on_reject(RejectCode.FUTURE_VERSION, signer=MALLORY.public_key)
+    assert not ac.on_reject(RejectCode.MALFORMED, signer=MALLORY.public_key)
     assert ac.valid_streak(MALLORY.public_key) == 0  # a strike resets the track record
     assert ac.on_reject(RejectCode.LOGPROB_MISMATCH, signer=MALLORY.public_key)
     assert code_of(ac.check_signer, MALLORY.public_key) is RejectCode.NOT_ALLOWED
@@ -145,7 +145,7 @@ def test_strikes_only_for_lies_and_ban_after_max():
 
 def test_bans_and_strikes_survive_a_restart():
     ac = make(max_strikes=1)
-    ac.on_reject(RejectCode.FUTURE_VERSION, signer=MALLORY.public_key)
+    ac.on_reject(RejectCode.MALFORMED, signer=MALLORY.public_key)
     for _ in range(3):
         ac.on_reject(RejectCode.SIGNATURE_MISMATCH, signer=None, peer="evil")
     fresh = make(max_strikes=1, peer_max_strikes=3)

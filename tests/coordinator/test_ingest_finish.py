@@ -80,3 +80,27 @@ def test_a_batch_refused_before_scoring_ends_its_leases_at_once(ingest, tokenize
     assert not ack.accepted and ack.code == ("MALFORMED" if "sampling" in change else "FUTURE_VERSION")
     counts = ingest.board.counts()
     assert counts["outstanding"] == 0 and counts["expired"] == 1 and counts["requeued_waiting"] == 1
+
+
+def test_batches_an_earlier_lineage_spooled_are_refused_and_never_strike_their_volunteer(tokenizer):
+    """A coordinator restarted without --resume under the same key numbers its versions from 0 again, so an
+    honest volunteer's batches generated with the old lineage's v6 claim a version this one never published
+    (CI 2026-12-02: three of them struck and banned an honest volunteer). Each is refused, nothing is
+    trained, the key is not struck, and its next batch at a version this lineage did publish is accepted."""
+    from asyncrl.coordinator.access import AccessControl, AccessPolicy
+
+    access = AccessControl(AccessPolicy(max_strikes=3))
+    board = TaskBoard(tasks.get_task("repeat", 0), lease_timeout_s=60, max_leases_per_client=8)
+    stops = (tokenizer.pad_token_id, tokenizer.eos_token_id)
+    fresh = Ingest(identity_public_key=COORD.public_key, run_id="r", board=board, tokenizer=tokenizer, vocab_size=64,
+                   current_version=lambda: 0, is_published=lambda v: v == 0, max_batch_bytes=1 << 20, window_s=300,
+                   sampling=SAMPLING, stop_token_ids=tuple(sorted(stops)), access=access)
+    a, im_end = tokenizer.convert_tokens_to_ids("a"), tokenizer.eos_token_id
+    for _ in range(2 * access.policy.max_strikes):
+        ack = fresh.handle(seal(fresh, tokenizer, [([a, im_end], "stop")], adapter_version=6))
+        assert not ack.accepted and ack.code == "FUTURE_VERSION", ack
+    assert fresh.queue.empty()
+    assert access.strikes(ALICE.public_key) == 0 and not access.is_banned(ALICE.public_key)
+    assert access.valid_streak(ALICE.public_key) == 0  # a suspicion: audited on every batch for a while
+    ack = fresh.handle(seal(fresh, tokenizer, [([a, im_end], "stop")], adapter_version=0))
+    assert ack.accepted, ack

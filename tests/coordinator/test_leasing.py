@@ -100,7 +100,7 @@ def test_a_banned_key_is_refused_before_anything_is_leased(tokenizer):
     access = AccessControl(AccessPolicy(max_strikes=1))
     desk, coordinator, board, _ = make_desk(tokenizer, access=access)
     mallory = Identity.generate()
-    access.on_reject(RejectCode.FUTURE_VERSION, signer=mallory.public_key)
+    access.on_reject(RejectCode.MALFORMED, signer=mallory.public_key)
     with pytest.raises(ProtocolError) as exc:
         desk.handle(request(mallory, coordinator, 2), peer="p")
     assert exc.value.code == RejectCode.NOT_ALLOWED
