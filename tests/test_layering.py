@@ -10,6 +10,10 @@ the folder list is the architecture diagram; benchmarks and test fixtures stay o
 from __future__ import annotations
 
 import ast
+import functools
+import json
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -56,14 +60,36 @@ def imported_modules(path: Path, module: str) -> set[str]:
     return out
 
 
+def read_in_a_fresh_interpreter(jobs: list[tuple[Path, str]]) -> list[set[str]]:
+    """`imported_modules` of each (path, module), computed by a child Python that runs no other thread.
+    CPython 3.11 keeps the AST constructor's recursion depth in interpreter-wide state, so ast.parse in a
+    pytest worker whose earlier in-process tests left threads running can fail with `SystemError: AST
+    constructor recursion depth mismatch` (CI run with two CPU hogs, 2026-12-02: before=144, after=165;
+    see python/cpython#106905)."""
+    code = ("import json, sys; from pathlib import Path; from tests.test_layering import imported_modules; "
+            "print(json.dumps([sorted(imported_modules(Path(p), m)) for p, m in json.load(sys.stdin)]))")
+    done = subprocess.run([sys.executable, "-c", code], input=json.dumps([[str(p), m] for p, m in jobs]), cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [set(mods) for mods in json.loads(done.stdout)]
+
+
+@functools.lru_cache(maxsize=None)
+def _imports_of_every_file() -> dict[Path, set[str]]:
+    jobs = [(path, _module_name(path, folder, f"asyncrl.{name}"))
+            for name, folder in sorted(SUBSYSTEMS.items()) for path in sorted(folder.rglob("*.py"))]
+    return dict(zip((path for path, _ in jobs), read_in_a_fresh_interpreter(jobs)))
+
+
 def subsystem_imports(name: str) -> dict[str, set[str]]:
     """file -> what of ours outside `asyncrl.<name>` it imports: other subsystems by name, shared-root
     modules (asyncrl/*.py, e.g. `asyncrl.signals`) as "root"."""
     folder = SUBSYSTEMS[name]
     found = {}
+    every = _imports_of_every_file()
     for path in sorted(folder.rglob("*.py")):
         ours = set()
-        for mod in imported_modules(path, _module_name(path, folder, f"asyncrl.{name}")):
+        for mod in every[path]:
             parts = mod.split(".")
             if parts[0] != "asyncrl" or len(parts) < 2 or parts[1] == name:
                 continue
@@ -91,8 +117,9 @@ def test_the_import_reader_sees_relative_and_absolute_imports(tmp_path):
     pkg.mkdir()
     (pkg / "__init__.py").write_text("from . import a\n")
     (pkg / "b.py").write_text("from .a import x\nfrom asyncrl.client import worker\nimport asyncrl.protocol.codec\n")
-    assert imported_modules(pkg / "__init__.py", "asyncrl.coordinator") >= {"asyncrl.coordinator.a"}
-    got = imported_modules(pkg / "b.py", "asyncrl.coordinator.b")
+    init, got = read_in_a_fresh_interpreter([(pkg / "__init__.py", "asyncrl.coordinator"),
+                                             (pkg / "b.py", "asyncrl.coordinator.b")])
+    assert init >= {"asyncrl.coordinator.a"}
     assert {"asyncrl.coordinator.a", "asyncrl.client", "asyncrl.client.worker", "asyncrl.protocol.codec"} <= got
 
 
