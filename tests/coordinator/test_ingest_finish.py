@@ -23,13 +23,18 @@ def tokenizer():
     return tinymodel.build_tokenizer(instruct=True)  # stop set {<|endoftext|>, <|im_end|>}, as Qwen2.5-Instruct
 
 
-@pytest.fixture
-def ingest(tokenizer):
+def make_ingest(tokenizer, **overrides) -> Ingest:
     board = TaskBoard(tasks.get_task("repeat", 0), lease_timeout_s=60, max_leases_per_client=8)
     stops = (tokenizer.pad_token_id, tokenizer.eos_token_id)
-    return Ingest(identity_public_key=COORD.public_key, run_id="r", board=board, tokenizer=tokenizer, vocab_size=64,
+    fields = dict(identity_public_key=COORD.public_key, run_id="r", board=board, tokenizer=tokenizer, vocab_size=64,
                   current_version=lambda: 0, max_batch_bytes=1 << 20, window_s=300, sampling=SAMPLING,
                   stop_token_ids=tuple(sorted(stops)))
+    return Ingest(**{**fields, **overrides})
+
+
+@pytest.fixture
+def ingest(tokenizer):
+    return make_ingest(tokenizer)
 
 
 def seal(ingest, tokenizer, completions: list[tuple[list[int], str]], **batch_fields) -> bytes:
@@ -90,11 +95,7 @@ def test_batches_an_earlier_lineage_spooled_are_refused_and_never_strike_their_v
     from asyncrl.coordinator.access import AccessControl, AccessPolicy
 
     access = AccessControl(AccessPolicy(max_strikes=3))
-    board = TaskBoard(tasks.get_task("repeat", 0), lease_timeout_s=60, max_leases_per_client=8)
-    stops = (tokenizer.pad_token_id, tokenizer.eos_token_id)
-    fresh = Ingest(identity_public_key=COORD.public_key, run_id="r", board=board, tokenizer=tokenizer, vocab_size=64,
-                   current_version=lambda: 0, is_published=lambda v: v == 0, max_batch_bytes=1 << 20, window_s=300,
-                   sampling=SAMPLING, stop_token_ids=tuple(sorted(stops)), access=access)
+    fresh = make_ingest(tokenizer, is_published=lambda v: v == 0, access=access)
     a, im_end = tokenizer.convert_tokens_to_ids("a"), tokenizer.eos_token_id
     for _ in range(2 * access.policy.max_strikes):
         ack = fresh.handle(seal(fresh, tokenizer, [([a, im_end], "stop")], adapter_version=6))
