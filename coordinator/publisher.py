@@ -225,12 +225,16 @@ class PublishWorker:
     def finish(self, timeout: float | None = None) -> bool:
         """The run is over: after whatever export still waits, store the final pointer (the newest version,
         `finished` set: protocol/swarm.py finish_pointer) from this thread, the pointer's only writer; later
-        refreshes re-seal that one. True once it was stored (or tried: a failed store is refreshed too)."""
+        refreshes re-seal that one. True once it was stored (or tried: a failed store is refreshed too).
+        An export still waiting or in flight is published first: the final pointer names the newest version,
+        and a run whose first version has not reached the Publisher yet still ends with one. False only
+        on timeout, on close, or when no version was ever published."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             self._finishing = True
             self._cond.notify_all()
-            while self.final_pointer is None and not self._closing and self.publisher.latest is not None:
+            while self.final_pointer is None and not self._closing and (
+                    self.publisher.latest is not None or self._pending is not None or self._in_flight is not None):
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False

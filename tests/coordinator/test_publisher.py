@@ -325,3 +325,38 @@ def test_the_final_pointer_follows_the_last_version_and_volunteers_see_the_end(t
     hub.worker._refresh()  # later refreshes re-seal the final pointer, never the last unfinished one
     assert vol.refresh() is None and vol.finished
     hub.worker.close()
+
+
+class GatedLineage(Hub):
+    """before_visible holds v0 until the test opens the gate: the run ends while its first version is still
+    on its way to the Publisher (the CI failure of 2026-12-02: finish() found no published version and gave up)."""
+
+    def __init__(self, *a, **kw):
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        super().__init__(*a, **kw)
+
+    def before_visible(self, export) -> None:
+        self.entered.set()
+        assert self.gate.wait(60)
+        super().before_visible(export)
+
+
+def test_a_run_that_ends_before_its_first_version_is_published_still_ends_with_a_final_pointer(tiny_path, tmp_path):
+    hub = GatedLineage(tiny_path, tmp_path)
+    vol = volunteer(hub)
+    hub.publish()
+    assert hub.entered.wait(60)  # v0 is in flight, the Publisher has nothing yet
+    result: list[bool] = []
+    finisher = threading.Thread(target=lambda: result.append(hub.worker.finish(timeout=60)))
+    finisher.start()
+    deadline = time.monotonic() + 60
+    while not hub.worker._finishing and time.monotonic() < deadline:  # finish() has begun
+        time.sleep(0.01)
+    hub.gate.set()
+    finisher.join(60)
+    assert result == [True]
+    assert pointer_version(hub.worker.final_pointer) == 0
+    got = vol.refresh()
+    assert got is not None and got.version == 0 and vol.finished
+    hub.worker.close()
