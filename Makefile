@@ -12,7 +12,7 @@ TEST_WORKERS ?= 2
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml constraints/cpu.txt Makefile
+$(STAMP): pyproject.toml setup.py protocol/codec/_kernels.c constraints/cpu.txt Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) --upgrade pip
 	$(PIP) torch==2.13.0

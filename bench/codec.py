@@ -34,6 +34,7 @@ import numpy as np  # noqa: E402
 import zstandard as zstd  # noqa: E402
 
 from asyncrl.protocol import codec  # noqa: E402
+from asyncrl.protocol.codec import planes as codec_planes  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -163,7 +164,9 @@ def main(argv=None) -> int:
     held = None  # what a client following the published chain holds
     prev = None
     rows, stream, losses = [], [], []
-    tot = {f"{k}_{c}": 0.0 for k in ("enc_key", "enc_delta", "dec_key", "dec_delta") for c in ("cpu", "wall")}
+    kinds = ("enc_key", "enc_delta", "dec_key", "dec_delta", "enc_delta_numpy", "dec_delta_numpy")
+    tot = {f"{k}_{c}": 0.0 for k in kinds for c in ("cpu", "wall")}
+    kernels = codec_planes.KERNELS is not None  # protocol/codec/_kernels.c was built (setup.py)
     t_start = time.time()
     for step in range(args.steps_to + 1):
         if step > 0:
@@ -192,6 +195,14 @@ def main(argv=None) -> int:
                 lambda: codec.decode(codec.DELTA_CODEC, specs, delta, prev, max_raw_bytes=cap), args.repeats
             )
             lossless &= timed["dec_key"][2] == cur and timed["dec_delta"][2] == cur
+            if kernels:  # the numpy path on the same versions, same process: the kernels' speed-up as a ratio
+                codec_planes.use_kernels(False)
+                timed["enc_delta_numpy"] = best_time(
+                    lambda: codec.encode_delta(specs, cur, prev, level=args.level), 1)
+                timed["dec_delta_numpy"] = best_time(
+                    lambda: codec.decode(codec.DELTA_CODEC, specs, delta, prev, max_raw_bytes=cap), args.repeats)
+                codec_planes.use_kernels(True)
+                lossless &= timed["enc_delta_numpy"][2] == delta and timed["dec_delta_numpy"][2] == cur
             lossless &= codec.decode(codec.DELTA_CODEC, specs, nocx, prev, max_raw_bytes=cap) == cur
             plain_len = len(plain.compress(b"".join(cur[s.name] for s in specs)))
             for k, (cpu, wall, _) in timed.items():
@@ -236,6 +247,14 @@ def main(argv=None) -> int:
         "decode_MBps": min(mb / tot["dec_delta_cpu"], mb / tot["dec_key_cpu"]),
         "decode_delta_MBps": mb / tot["dec_delta_cpu"],
         "decode_keyframe_MBps": mb / tot["dec_key_cpu"],
+        "kernels": "compiled" if kernels else "numpy (protocol/codec/_kernels.c not built)",
+        "numpy_path": {
+            "encode_MBps": mb / tot["enc_delta_numpy_cpu"],
+            "decode_delta_MBps": mb / tot["dec_delta_numpy_cpu"],
+            "encode_speedup": tot["enc_delta_numpy_cpu"] / tot["enc_delta_cpu"],
+            "decode_speedup": tot["dec_delta_numpy_cpu"] / tot["dec_delta_cpu"],
+            "same_bytes": "encode_delta payloads and decodes compared each version (in `lossless`)",
+        } if kernels else None,
         "wall_clock": {
             "encode_MBps": mb / tot["enc_delta_wall"],
             "encode_keyframe_MBps": mb / tot["enc_key_wall"],
@@ -313,6 +332,13 @@ def main(argv=None) -> int:
         f" (load average {wc['load_avg_1m_at_end']:.1f}) | lossless {report['lossless']}"
         f" | stream mean {report['stream']['mean_ratio']:.3f}"
     )
+    if report["numpy_path"]:
+        npp = report["numpy_path"]
+        print(f"  kernels: compiled; the numpy path on the same versions: encode {npp['encode_MBps']:.0f} MB/s, "
+              f"decode delta {npp['decode_delta_MBps']:.0f} MB/s (speed-up {npp['encode_speedup']:.2f}x / "
+              f"{npp['decode_speedup']:.2f}x)")
+    else:
+        print(f"  kernels: {report['kernels']}")
     print("  checks: " + ", ".join(f"{k} {'ok' if v else 'FAIL'}" for k, v in report["checks"].items()))
     print(f"  loss {losses[0]:.3f} -> {losses[-1]:.3f}; {wall:.0f} s; wrote {args.json_out}")
     return 1 if args.strict and not all(v for k, v in report["checks"].items() if "goal" not in k) else 0

@@ -170,17 +170,20 @@ def decode_payload(codec, specs, payload, parent, max_raw_bytes) -> dict[str, by
                     planes.append(unzstd(dctx, buf[pos : pos + ln], expected, max_raw_bytes))
                     pos += ln
                 streams.append(unpack(planes, layout, cnt, dt))
+            # A delta's code words are zigzag-decoded here, segment by segment (in the scatter's own pass
+            # where there are classes).
             if words is None:
-                words = streams[0]
+                words = unzigzag_inplace(streams[0]) if kind == KIND_DELTA else streams[0]
             elif len(classes) == 1:
                 words[off : off + seg_n] = streams[0]
-            elif not scatter_classes(words[off : off + seg_n], class_ids(parts[first:last], bounds, dt), streams):
+                if kind == KIND_DELTA:
+                    unzigzag_inplace(words[off : off + seg_n])
+            elif not scatter_classes(words[off : off + seg_n], class_ids(parts[first:last], bounds, dt), streams,
+                                     unzigzag=kind == KIND_DELTA):
                 raise ProtocolError(RejectCode.HASH_MISMATCH, "class sizes differ from the parent's exponent classes "
                                     "(delta applied to the wrong parent?)")
             streams = planes = None  # the segment is in `words` now; freed before the output is built
             off += seg_n
-        if kind == KIND_DELTA:
-            unzigzag_inplace(words)
         off = 0
         for k, (i, size) in enumerate(zip(order, sizes)):
             w = words[off : off + size]
