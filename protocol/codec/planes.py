@@ -36,17 +36,15 @@ except ImportError:  # pragma: no cover - exercised by the tests through `use_ke
     KERNELS = None
 
 
-def use_kernels(on: bool):
-    """Switch the compiled class passes on or off (tests and bench/codec.py compare the two paths);
-    returns the previous setting. Off is the numpy path; on needs the module to have been built."""
+def use_kernels(on: bool) -> None:
+    """Switch the compiled partition on or off (tests and bench/codec.py compare the two paths). Off
+    is the numpy path; on needs the module to have been built (ImportError otherwise)."""
     global KERNELS
-    prev = KERNELS
     if on:
         from . import _kernels
         KERNELS = _kernels
     else:
         KERNELS = None
-    return prev is not None
 
 
 def rotl1(w: np.ndarray, bits: int) -> np.ndarray:

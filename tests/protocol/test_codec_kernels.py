@@ -17,11 +17,16 @@ from .test_codec import CAP, lora_like
 PATHS = ["numpy", "compiled"]
 
 
+def select(monkeypatch, name: str) -> None:
+    """Run the codec on one path until the test ends (monkeypatch restores the build's choice)."""
+    monkeypatch.setattr(codec_planes, "KERNELS", None)
+    if name == "compiled":
+        codec_planes.use_kernels(True)
+
+
 @pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
-    monkeypatch.setattr(codec_planes, "KERNELS", None)
-    if request.param == "compiled":
-        codec_planes.use_kernels(True)
+    select(monkeypatch, request.param)
     return request.param
 
 
@@ -96,14 +101,10 @@ def test_payloads_are_identical_with_and_without_the_kernels(dtype, monkeypatch)
                     for ver in versions]
     payloads = {}
     for name in PATHS:
-        monkeypatch.setattr(codec_planes, "KERNELS", None)
-        if name == "compiled":
-            codec_planes.use_kernels(True)
+        select(monkeypatch, name)
         payloads[name] = [encode_delta(specs, versions[i + 1], versions[i]) for i in range(2)]
     assert payloads["numpy"] == payloads["compiled"]
     for name in PATHS:  # and each decoder reads them back
-        monkeypatch.setattr(codec_planes, "KERNELS", None)
-        if name == "compiled":
-            codec_planes.use_kernels(True)
+        select(monkeypatch, name)
         for i, payload in enumerate(payloads["numpy"]):
             assert decode(DELTA_CODEC, specs, payload, versions[i], max_raw_bytes=CAP) == versions[i + 1]
