@@ -39,7 +39,6 @@ from .planes import (
     rotr1,
     scatter_classes,
     unpack,
-    unzigzag_inplace,
 )
 
 
@@ -163,23 +162,21 @@ def decode_payload(codec, specs, payload, parent, max_raw_bytes) -> dict[str, by
             counts = counts or [seg_n]
             if sum(counts) != seg_n:
                 raise malformed(f"class sizes {counts} do not add up to the segment's {seg_n} elements")
+            # A delta's code words are zigzag-decoded on the way: by unpack where the segment is one
+            # class (written straight into `words`), by the scatter's own pass where there are classes.
+            one = len(classes) == 1
             streams = []
             for cnt, (layout, lens) in zip(counts, classes):
                 planes = []
                 for ln, expected in zip(lens, plane_sizes(layout, cnt, dt)):
                     planes.append(unzstd(dctx, buf[pos : pos + ln], expected, max_raw_bytes))
                     pos += ln
-                streams.append(unpack(planes, layout, cnt, dt))
-            # A delta's code words are zigzag-decoded here, segment by segment (in the scatter's own pass
-            # where there are classes).
+                dest = None if not one or words is None else words[off : off + seg_n]
+                streams.append(unpack(planes, layout, cnt, dt, unzigzag=one and kind == KIND_DELTA, out=dest))
             if words is None:
-                words = unzigzag_inplace(streams[0]) if kind == KIND_DELTA else streams[0]
-            elif len(classes) == 1:
-                words[off : off + seg_n] = streams[0]
-                if kind == KIND_DELTA:
-                    unzigzag_inplace(words[off : off + seg_n])
-            elif not scatter_classes(words[off : off + seg_n], class_ids(parts[first:last], bounds, dt), streams,
-                                     unzigzag=kind == KIND_DELTA):
+                words = streams[0]
+            elif not one and not scatter_classes(words[off : off + seg_n], class_ids(parts[first:last], bounds, dt),
+                                                 streams, unzigzag=kind == KIND_DELTA):
                 raise ProtocolError(RejectCode.HASH_MISMATCH, "class sizes differ from the parent's exponent classes "
                                     "(delta applied to the wrong parent?)")
             streams = planes = None  # the segment is in `words` now; freed before the output is built

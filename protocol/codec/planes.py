@@ -5,10 +5,10 @@ bit fields 1-1-2-4-8...), each plane one zstd frame.
 Speed notes (docs/codec.md has the figures). Everything is whole-array numpy; no Python loop runs
 per element. Per element the delta path costs a handful of integer ufunc passes (numpy's fastest
 operations: add, multiply, and, or, shifts by a constant on uint16/32/64), one table-free stable
-partition by class, one zstd pass and one crc32 pass. The partition and its inverse run in the
-compiled `_kernels` module when it was built (one pass each, ~0.9 ns per element against ~2.5 for
-the numpy lanes below); without it they fall back to the numpy code, which writes and reads the same
-bytes.
+partition by class, one zstd pass and one crc32 pass. The partition and its inverse, the class of
+each parent element and the decoder's plane unpacking run in the compiled `_kernels` module when it
+was built (one pass each where numpy makes several: the delta decode is memory-bound, so passes are
+what cost); without it they fall back to the numpy code, which writes and reads the same bytes.
 Two habits keep the numpy code fast:
 - no strided copies and no uint8 left shifts (numpy runs both ~10x slower than a cast or a
   multiply), no `np.take` on a lookup table (it widens every uint8 index to intp first);
@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover - exercised by the tests through `use_ke
 
 
 def use_kernels(on: bool) -> None:
-    """Switch the compiled partition on or off (tests and bench/codec.py compare the two paths). Off
+    """Switch the compiled kernels on or off (tests and bench/codec.py compare the two paths). Off
     is the numpy path; on needs the module to have been built (ImportError otherwise)."""
     global KERNELS
     if on:
@@ -96,9 +96,12 @@ def class_ids(parents: Sequence[np.ndarray], bounds: Sequence[int], dt: Dtype) -
     """Class of each element of the concatenated `parents` (word arrays, e.g. a segment's tensors):
     how many bounds are <= its exponent, as uint8. exponent >= b exactly when the magnitude bits are
     >= b << mant_bits, so no exponent array is built; one compare per bound, tensor by tensor (no
-    segment-sized temporaries). (numpy's SIMD compares beat a plain C loop here: 0.2 ns/element.)"""
+    segment-sized temporaries); the compiled kernel does all bounds in one pass."""
     n = sum(p.size for p in parents)
     cls = np.empty(n, np.uint8)
+    if KERNELS is not None:
+        KERNELS.classes(cls, parents, [b << dt.mant_bits for b in bounds])
+        return cls
     mag = parents[0].dtype.type((1 << (dt.bits - 1)) - 1) if parents else None
     limits = [parents[0].dtype.type(b << dt.mant_bits) for b in bounds] if parents else []
     off = 0
@@ -289,7 +292,21 @@ def iter_planes(w: np.ndarray, layout: int, dt: Dtype) -> Iterator[np.ndarray]:
         yield byte_plane(w, j)
 
 
-def unpack(planes: list[bytes], layout: int, n: int, dt: Dtype) -> np.ndarray:
+def unpack(planes: list[bytes], layout: int, n: int, dt: Dtype, *, unzigzag: bool = False,
+           out: np.ndarray | None = None) -> np.ndarray:
+    """The n words whose planes (of `layout`, as iter_planes cut them) are `planes`, zigzag-decoded
+    when `unzigzag`; written into `out` (n words) when given. The compiled kernel does it in one pass;
+    the numpy path below rebuilds the low byte, then the words, then unzigzags."""
+    if out is None:
+        out = np.empty(n, dt.word)
+    if KERNELS is not None:
+        KERNELS.unpack(out, layout == LAYOUT_FIELDS, planes, unzigzag)
+        return out
+    out[...] = _unpack_numpy(planes, layout, n, dt)
+    return unzigzag_inplace(out) if unzigzag else out
+
+
+def _unpack_numpy(planes: list[bytes], layout: int, n: int, dt: Dtype) -> np.ndarray:
     word = dt.word
     if layout == LAYOUT_BYTES:
         lo = np.frombuffer(planes[0], np.uint8)

@@ -108,3 +108,35 @@ def test_payloads_are_identical_with_and_without_the_kernels(dtype, monkeypatch)
         select(monkeypatch, name)
         for i, payload in enumerate(payloads["numpy"]):
             assert decode(DELTA_CODEC, specs, payload, versions[i], max_raw_bytes=CAP) == versions[i + 1]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("layout", [codec_format.LAYOUT_BYTES, codec_format.LAYOUT_FIELDS])
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 4099])  # whole blocks of 8 and tails of every length
+def test_unpack_rebuilds_the_words_on_both_paths(path, dtype, layout, n):
+    dt = codec_format.DTYPES[dtype]
+    rng = np.random.default_rng(n)
+    w = rng.integers(0, 1 << dt.bits, n, dtype=np.uint64).astype(dt.word)
+    planes = [bytes(p) for p in codec_planes.pack(w, layout, dt)]
+    assert [len(p) for p in planes] == codec_planes.plane_sizes(layout, n, dt)
+    assert np.array_equal(codec_planes.unpack(planes, layout, n, dt), w)
+    zz = codec_planes.unpack(planes, layout, n, dt, unzigzag=True)
+    assert np.array_equal(zz, codec_planes.unzigzag_inplace(w.copy()))
+    into = np.full(n + 2, 7, dt.word)  # written in place, nothing beside it touched
+    codec_planes.unpack(planes, layout, n, dt, out=into[1 : n + 1])
+    assert np.array_equal(into[1 : n + 1], w) and into[0] == 7 and into[-1] == 7
+
+
+def test_kernel_unpack_checks_plane_sizes_before_writing():
+    k = codec_planes.KERNELS
+    assert k is not None
+    dt = codec_format.DTYPES["bf16"]
+    w = np.arange(20, dtype="<u2")
+    planes = [bytes(p) for p in codec_planes.pack(w, codec_format.LAYOUT_FIELDS, dt)]
+    out = np.full(20, 9, "<u2")
+    for bad in (planes[:-1], [planes[0][:-1], *planes[1:]], [*planes[:-1], planes[-1] + b"x"]):
+        with pytest.raises(ValueError):
+            k.unpack(out, True, bad)
+    assert (out == 9).all()  # nothing written
+    with pytest.raises(ValueError):
+        k.unpack(np.empty(20, np.uint8), False, [bytes(20)])  # words of one byte
