@@ -192,6 +192,10 @@ class CoordinatorConfig:
     lease_max_s: float = 3600.0
     """Volunteers renew the leases they are working on (coordinator/taskboard.py): each renewal restarts
     lease_timeout_s, but a lease never lives longer than this after its grant (0 = no renewals)."""
+    prompt_max_failures: int = 3
+    """Retire a prompt (never lease it again) once leases of it held by this many distinct keys ended
+    without a group: a poison prompt (a reward check that never finishes on it, an engine that cannot take
+    it) is otherwise re-leased forever (coordinator/taskboard.py; 0 = never retire)."""
     max_inflight_groups: int = 0
     """Back-pressure: stop granting leases while leased-but-unreturned plus queued-but-untrained groups
     reach this. Keeps volunteers from racing ahead of the learner (whose backlog would only go stale);
@@ -339,6 +343,7 @@ class CoordinatorConfig:
             (1 <= self.max_new_tokens <= 32768, "max_new_tokens must be in [1, 32768]"),
             (self.temperature > 0, "temperature must be > 0"),
             (self.lease_timeout_s > 0, "lease_timeout_s must be > 0"),
+            (self.prompt_max_failures >= 0, "prompt_max_failures must be >= 0 (0 = never retire a prompt)"),
             (self.lease_max_s == 0 or self.lease_max_s >= self.lease_timeout_s,
              "lease_max_s must be 0 (no renewals) or >= lease_timeout_s"),
             (_reward_problem(self) is None, f"task_reward: {_reward_problem(self)}"),

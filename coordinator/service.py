@@ -178,7 +178,8 @@ class Coordinator:
                      + (f"; skipped {r.skipped} too large (first: {r.examples[0]})" if r.skipped else ""))
         self.board = TaskBoard(source, lease_timeout_s=cfg.lease_timeout_s,
                                max_leases_per_client=cfg.max_leases_per_client,
-                               lease_max_s=cfg.lease_max_s or cfg.lease_timeout_s)
+                               lease_max_s=cfg.lease_max_s or cfg.lease_timeout_s,
+                               prompt_max_failures=cfg.prompt_max_failures)
         self.journal = IngestJournal(self.run_dir / "journal")
         from .access import AccessControl, AccessPolicy
         from .audit import Auditor
@@ -492,7 +493,8 @@ class Coordinator:
     def _lease_books(self) -> dict:
         """The task board's counters and their balance, at one instant (no lease/submit in flight)."""
         with self.gate.closed():
-            return {"leases": self.board.counts(), "leases_balanced": self.board.balanced(self.ingest.queued_groups)}
+            return {"leases": self.board.counts(), "leases_balanced": self.board.balanced(self.ingest.queued_groups),
+                    "retired_prompts": list(self.board.retired_ids)}
 
     def contributors(self) -> list[dict]:
         """Who contributed what, publishable (names and key fingerprints, no addresses): accepted batches and

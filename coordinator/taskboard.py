@@ -6,10 +6,17 @@ The coordinator chooses prompts (volunteers cannot cherry-pick easy ones). A lea
 renewal restarts the timeout, up to `lease_max_s` after the grant, so a slow honest group is not lost
 to expiry while a vanished volunteer's prompts still come back after one timeout; a volunteer that
 pauses gives its unfinished leases back (`release`: "returned", their prompts first in line).
+Poison prompts: a prompt whose leases keep ending without a group (a reward check that never finishes on
+it, so every honest volunteer abandons it; an engine that cannot take it) would otherwise be re-leased
+forever, costing a volunteer a timeout each round. Once leases of one prompt held by
+`prompt_max_failures` *distinct* keys expired (or were abandoned) it is **retired**: not requeued,
+counted, its id kept among the last `RETIRED_KEPT` for the summary. Distinct keys, so one volunteer that
+vanishes with the prompt, or one key sitting on it, cannot retire it alone; a returned (paused) lease is
+not a failure.
 Invariant, checked by `balanced()` (and written into summary.json): every lease grant is outstanding,
 completed (its group was accepted), expired or returned; every expired or returned lease's prompt was
-re-leased or still waits in the requeue; every completed group was trained, explicitly dropped
-(e.g. stale) or still waits in the learner's queue — none vanishes.
+re-leased, still waits in the requeue, or was retired; every completed group was trained, explicitly
+dropped (e.g. stale) or still waits in the learner's queue — none vanishes.
 Thread-safe: the P2P loop leases and completes, the learner loop only reads counters.
 Resumable: `state()` / `restore()` round-trip the outstanding leases, the requeue, the counters and the
 prompt source's position (JSON; coordinator/checkpoint.py stores it).
@@ -39,13 +46,17 @@ class Lease:
     granted_at: float = 0.0  # renewals never push expires_at past granted_at + lease_max_s
 
 
+RETIRED_KEPT = 64
+"""Retired prompt ids kept (the newest) for summary.json; the count has them all."""
+
+
 class LeaseRejected(Exception):
     pass
 
 
 class TaskBoard:
     def __init__(self, prompts: Iterator[Prompt], *, lease_timeout_s: float, max_leases_per_client: int,
-                 lease_max_s: float | None = None, clock=time.time):
+                 lease_max_s: float | None = None, prompt_max_failures: int = 3, clock=time.time):
         self._source = prompts
         self._requeued: deque[Prompt] = deque()
         self._outstanding: dict[str, Lease] = {}
@@ -64,6 +75,10 @@ class TaskBoard:
         self.returned = 0        # leases given back unfinished by their holder (release)
         self.trained = 0         # accepted groups the learner trained on
         self.renewals = 0        # lease renewals granted (not part of the balance: a renewed lease is still one lease)
+        self.retired = 0         # expired/abandoned prompts not requeued: poison (see the module docstring)
+        self.prompt_max_failures = prompt_max_failures  # 0: never retire
+        self._failures: dict[str, set[str]] = {}  # prompt id -> keys (hex) whose lease of it ended without a group
+        self.retired_ids: deque[str] = deque(maxlen=RETIRED_KEPT)
         self._skip: set[str] = set()  # prompt ids settled by a journal replay before the source reached them
         self._seq = itertools.count()
 
@@ -97,6 +112,7 @@ class TaskBoard:
             self._expire_locked()
             lease = self._held_locked(lease_id, client)
             self._pop_locked(lease_id)
+            self._failures.pop(lease.prompt.prompt_id, None)
             self.completed += 1
             return lease
 
@@ -122,6 +138,7 @@ class TaskBoard:
                 raise LeaseRejected("the same lease twice in one batch")
             for lease in leases:
                 self._pop_locked(lease.lease_id)
+                self._failures.pop(lease.prompt.prompt_id, None)
             self.completed += len(leases)
             return leases
 
@@ -166,9 +183,21 @@ class TaskBoard:
         prompts are requeued for someone else). Unknown ids and other clients' leases are ignored."""
         with self._lock:
             gone = self._take_locked(lease_ids, client)
-            self._requeued.extend(gone)
+            for prompt in gone:
+                self._failed_locked(prompt, client)
             self.expired += len(gone)
             return len(gone)
+
+    def _failed_locked(self, prompt: Prompt, client: bytes) -> None:
+        """A lease of `prompt` held by `client` ended without a group: requeue it, or retire it (poison)."""
+        keys = self._failures.setdefault(prompt.prompt_id, set())
+        keys.add(client.hex())
+        if self.prompt_max_failures and len(keys) >= self.prompt_max_failures:
+            del self._failures[prompt.prompt_id]
+            self.retired += 1
+            self.retired_ids.append(prompt.prompt_id)
+            return
+        self._requeued.append(prompt)
 
     def release(self, lease_ids, client: bytes) -> int:
         """The holder gives these leases back unfinished (it paused): requeue their prompts now, first in
@@ -197,7 +226,7 @@ class TaskBoard:
         """The books balance: see the module docstring. `queued_groups`: accepted but not yet trained."""
         c = self.counts()
         return (c["leased"] == c["completed"] + c["expired"] + c["returned"] + c["outstanding"]
-                and c["expired"] + c["returned"] == c["released"] + c["requeued_waiting"]
+                and c["expired"] + c["returned"] == c["released"] + c["requeued_waiting"] + c["retired"]
                 and c["completed"] == c["trained"] + c["dropped"] + queued_groups)
 
     def settle_replayed(self, prompt_id: str) -> None:
@@ -230,6 +259,8 @@ class TaskBoard:
                 "requeued": [_prompt_dict(p) for p in self._requeued],
                 "counters": {k: getattr(self, k) for k in _COUNTERS},
                 "skip": sorted(self._skip),
+                "failures": {pid: sorted(keys) for pid, keys in self._failures.items()},
+                "retired_ids": list(self.retired_ids),
                 "seq": next(self._seq),
                 "source": source_state,
             }
@@ -254,6 +285,8 @@ class TaskBoard:
             self._requeued = deque(Prompt(**d) for d in state["requeued"])
             for k in _COUNTERS:
                 setattr(self, k, int(state["counters"].get(k, 0)))
+            self._failures = {pid: set(keys) for pid, keys in state.get("failures", {}).items()}
+            self.retired_ids = deque(state.get("retired_ids", ()), maxlen=RETIRED_KEPT)
             self._skip = set(state.get("skip", ()))
             self._seq = itertools.count(int(state["seq"]))
 
@@ -271,7 +304,7 @@ class TaskBoard:
             lease = self._outstanding.get(lid)
             if lease is None or lease.expires_at != expires_at:
                 continue
-            self._requeued.append(self._pop_locked(lid).prompt)
+            self._failed_locked(self._pop_locked(lid).prompt, lease.client)
             dead += 1
         if len(self._expiry) > 4 * len(self._outstanding) + 64:  # many settled leases: rebuild, bounded memory
             self._expiry = [(l.expires_at, lid) for lid, l in self._outstanding.items()]
@@ -297,10 +330,10 @@ class TaskBoard:
             return {"leased": self.leased, "completed": self.completed, "expired": self.expired,
                     "dropped": self.dropped, "outstanding": len(self._outstanding),
                     "requeued_waiting": len(self._requeued), "released": self.released, "trained": self.trained,
-                    "renewals": self.renewals, "returned": self.returned}
+                    "renewals": self.renewals, "returned": self.returned, "retired": self.retired}
 
 
-_COUNTERS = ("leased", "completed", "expired", "dropped", "released", "trained", "renewals", "returned")
+_COUNTERS = ("leased", "completed", "expired", "dropped", "released", "trained", "renewals", "returned", "retired")
 
 
 def _prompt_dict(p: Prompt) -> dict:
