@@ -567,15 +567,18 @@ class Volunteer:
             generated += self._generate([lease], group_size, sampling)
         return generated, [], None
 
-    def _release(self, leases: list[messages.TaskLease], reason: str | None) -> None:
+    def _release(self, leases: list[messages.TaskLease], reason: str | None, *, unscorable: bool = False) -> None:
         """Give leases back (a LeaseRequest with `release`): their prompts go to someone else now, instead
-        of waiting out the lease timeout (coordinator/taskboard.py `release`). A lost answer is asked once
+        of waiting out the lease timeout (coordinator/taskboard.py `release`). With `unscorable` they are
+        leases whose groups our reward check could not score (`LeaseRequest.unscorable`): the coordinator
+        counts them against the prompt and retires a prompt nobody can score. A lost answer is asked once
         more after RELEASE_RETRY_S, like a renewal (returning is idempotent: ids no longer held are ignored)."""
         from asyncrl.swarm.transport import TransportError
 
         ids = tuple(l.lease_id for l in leases)
         req = messages.LeaseRequest(run_id=self.run_id, max_prompts=0, adapter_version=self.serving_version,
-                                    client_name=self.name, client_version=handshake.package_version(), release=ids)
+                                    client_name=self.name, client_version=handshake.package_version(),
+                                    **({"unscorable": ids} if unscorable else {"release": ids}))
         for attempt in range(2):
             sealed = envelope.seal(self.identity, "lease_request", messages.encode(req), audience=self.coordinator_key)
             try:
@@ -589,6 +592,9 @@ class Volunteer:
                 return
             except ProtocolError as exc:  # they expire on their own, as without polite mode
                 self.display.event("warning", f"could not return {len(ids)} leases ({exc}); they will expire")
+                return
+            if unscorable:
+                self.display.event("info", f"[{self.name}] reported {len(ids)} leases we could not score ({reason})")
                 return
             self.status.leases_returned += len(ids)
             self.display.event("info", f"[{self.name}] pausing ({reason}): returned {len(ids)} unfinished leases")
@@ -622,7 +628,7 @@ class Volunteer:
         self.status.lease_renewals += keeper.renewals
         if unfinished:  # paused mid-lease: the rest goes back to the coordinator now, not at expiry
             self._release(unfinished, reason)
-        groups = []
+        groups, unscored = [], []
         for lease, group in generated:
             if lease.lease_id in keeper.lost:
                 self._abandon(lease, "the coordinator no longer holds it for us (expired)", counter="leases_lost")
@@ -634,6 +640,7 @@ class Volunteer:
             except Exception as exc:  # noqa: BLE001 - a broken reward costs its group, not the volunteer
                 if isinstance(exc, tasks.Unscorable):  # our verifier could not finish: send nothing rather than a guess
                     self.status.groups_unscorable += 1
+                    unscored.append(lease)
                 self._abandon(lease, f"reward {lease.reward!r} failed: {exc.__class__.__name__}: {str(exc)[:300]}",
                               counter="reward_errors")
                 continue
@@ -648,6 +655,8 @@ class Volunteer:
                 self.status.reward_sum += reward
             groups.append(messages.RolloutGroup(lease_id=lease.lease_id, prompt_id=lease.prompt_id,
                                                 prompt_token_ids=lease.prompt_token_ids, completions=tuple(comps)))
+        if unscored:  # said at once: the prompt goes to someone else now, and a poison prompt gets retired
+            self._release(unscored, "reward check did not finish", unscorable=True)
         if not groups:
             return 0
         batch = messages.RolloutBatch(run_id=self.run_id, adapter_version=version, client_name=self.name,

@@ -223,8 +223,10 @@ class Ingest:
         try:
             self._admit(opened, peer, reserved)
             batch = self._decode(opened)
+            held = []
             try:
                 leases = self._leases(opened, batch)
+                held = self.board.hold([l.lease_id for l in leases], opened.signer)  # no expiry under our checks
                 verified = self._verify_leased(opened, batch, leases)
                 return self._commit(verified, peer)
             except ProtocolError as exc:
@@ -234,6 +236,8 @@ class Ingest:
                     # own outstanding leases are touched.
                     self.board.abandon([g.lease_id for g in batch.groups], opened.signer)
                 raise
+            finally:
+                self.board.unhold(held)
         except ProtocolError as exc:
             exc.signer = opened.signer  # from here on the signer is accountable (unless charge_peer)
             if not hasattr(exc, "batch_id"):
@@ -321,7 +325,10 @@ class Ingest:
                 except OSError as exc:  # nothing changed yet: the volunteer retries the same batch later
                     raise ProtocolError(RejectCode.INTERNAL, f"could not journal the batch: {exc}") from None
         try:
-            settled = self.board.complete_all([l.lease_id for l in v.leases], signer)
+            kept = set(v.prompt_ids)
+            unscored = [l for l in v.leases if l.prompt.prompt_id not in kept]
+            settled = self.board.complete_all([l.lease_id for l in v.leases], signer,
+                                              unscored={l.lease_id for l in unscored})
         except LeaseRejected as exc:  # one expired between peek and now: refuse the whole batch, unchanged
             if item is not None and self.journal is not None:
                 self.journal.remove(batch_id)
@@ -340,6 +347,7 @@ class Ingest:
                 raise ProtocolError(RejectCode.RATE_LIMITED, "learner queue full; retry later") from None
         if v.unscorable:
             self.board.mark_dropped(v.unscorable)
+            self.board.note_unscorable([l.prompt for l in unscored], signer)  # poison prompts (taskboard.py)
         with self.lock:
             self.seen.add(batch_id)
             self.unscorable_groups += v.unscorable

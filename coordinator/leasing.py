@@ -244,6 +244,8 @@ class LeaseDesk:
         version = self.current_version()
         if req.release:  # a pausing volunteer's unfinished leases (client/polite.py): someone else gets them now
             self.board.release(req.release, opened.signer)
+        if req.unscorable:  # groups it could not score: ended now, counted against the prompt (poison)
+            self.board.report_unscorable(req.unscorable, opened.signer)
         renewed = tuple(messages.LeaseRenewal(lid, left)
                         for lid, left in self.board.renew(req.renew, opened.signer).items()) if req.renew else ()
         interval = self.versions.interval_s()

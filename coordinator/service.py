@@ -494,7 +494,7 @@ class Coordinator:
         """The task board's counters and their balance, at one instant (no lease/submit in flight)."""
         with self.gate.closed():
             return {"leases": self.board.counts(), "leases_balanced": self.board.balanced(self.ingest.queued_groups),
-                    "retired_prompts": list(self.board.retired_ids)}
+                    "retired_prompts": self.board.retired_prompt_ids()}
 
     def contributors(self) -> list[dict]:
         """Who contributed what, publishable (names and key fingerprints, no addresses): accepted batches and

@@ -6,13 +6,15 @@ The coordinator chooses prompts (volunteers cannot cherry-pick easy ones). A lea
 renewal restarts the timeout, up to `lease_max_s` after the grant, so a slow honest group is not lost
 to expiry while a vanished volunteer's prompts still come back after one timeout; a volunteer that
 pauses gives its unfinished leases back (`release`: "returned", their prompts first in line).
-Poison prompts: a prompt whose leases keep ending without a group (a reward check that never finishes on
-it, so every honest volunteer abandons it; an engine that cannot take it) would otherwise be re-leased
-forever, costing a volunteer a timeout each round. Once leases of one prompt held by
-`prompt_max_failures` *distinct* keys expired (or were abandoned) it is **retired**: not requeued,
-counted, its id kept among the last `RETIRED_KEPT` for the summary. Distinct keys, so one volunteer that
-vanishes with the prompt, or one key sitting on it, cannot retire it alone; a returned (paused) lease is
-not a failure.
+Poison prompts: a prompt no reward check finishes on (or that breaks the reward function) would otherwise be
+re-leased forever, each round costing a volunteer a check timeout. A volunteer that cannot score a leased
+group says so (`LeaseRequest.unscorable`: the lease ends now, counted as returned), and ingest notes a group
+it could not score itself; once `prompt_max_failures` *distinct* keys reported one record (its content:
+text, answer, reward, columns — a dataset's later epochs give it new prompt ids) with no group of it
+scored since, it is **retired**: not requeued, never leased again in any epoch, counted, its id kept
+among the last `RETIRED_KEPT`. Only explicit reports count, never a silent expiry (a volunteer that
+crashed), and distinct keys, so one key cannot retire a prompt alone; and at most RETIRE_FRACTION of the
+grants are ever retired, so keys that call everything unscorable cannot empty the dataset.
 Invariant, checked by `balanced()` (and written into summary.json): every lease grant is outstanding,
 completed (its group was accepted), expired or returned; every expired or returned lease's prompt was
 re-leased, still waits in the requeue, or was retired; every completed group was trained, explicitly
@@ -24,6 +26,7 @@ prompt source's position (JSON; coordinator/checkpoint.py stores it).
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
 import secrets
@@ -44,8 +47,15 @@ class Lease:
     expires_at: float
     prompt_token_ids: bytes | None = None  # as granted (LeaseDesk); ingest compares bytes instead of re-encoding
     granted_at: float = 0.0  # renewals never push expires_at past granted_at + lease_max_s
+    holds: int = 0  # batches answering it that ingest is verifying now: it does not expire under them
 
 
+RETIRE_FLOOR, RETIRE_FRACTION = 8, 0.01
+"""At most max(RETIRE_FLOOR, RETIRE_FRACTION x lease grants) records are retired: reports come from volunteers,
+so keys that call everything unscorable (a broken verifier install, or Sybil keys) can cost at most that
+much of the dataset; past it, reports are only counted (`retire_capped`), for the operator to look at."""
+SOURCE_SKIP_BOUND = 10_000
+"""Retired records skipped in a row before a lease call gives up (granting fewer prompts)."""
 RETIRED_KEPT = 64
 """Retired prompt ids kept (the newest) for summary.json; the count has them all."""
 
@@ -75,10 +85,14 @@ class TaskBoard:
         self.returned = 0        # leases given back unfinished by their holder (release)
         self.trained = 0         # accepted groups the learner trained on
         self.renewals = 0        # lease renewals granted (not part of the balance: a renewed lease is still one lease)
-        self.retired = 0         # expired/abandoned prompts not requeued: poison (see the module docstring)
+        self.retired = 0         # leases of reported-unscorable prompts not requeued: poison (module docstring);
+        # counts() also gives "retired_records", the distinct records retired (two copies of one record may be out)
         self.prompt_max_failures = prompt_max_failures  # 0: never retire
-        self._failures: dict[str, set[str]] = {}  # prompt id -> keys (hex) whose lease of it ended without a group
+        self._failures: dict[str, set[str]] = {}  # content_key -> keys (hex) that could not score it
         self.retired_ids: deque[str] = deque(maxlen=RETIRED_KEPT)
+        self._retired_content: set[str] = set()  # content_key of every retired prompt (one per bad record)
+        self.skipped_retired = 0  # source prompts skipped because their content was retired (not leased)
+        self.retire_capped = 0  # retirements refused by the cap (RETIRE_FRACTION): see summary.json
         self._skip: set[str] = set()  # prompt ids settled by a journal replay before the source reached them
         self._seq = itertools.count()
 
@@ -92,10 +106,9 @@ class TaskBoard:
                     prompt = self._requeued.popleft()
                     self.released += 1
                 else:
-                    prompt = next(self._source)
-                    while prompt.prompt_id in self._skip:
-                        self._skip.discard(prompt.prompt_id)
-                        prompt = next(self._source)
+                    prompt = self._next_from_source_locked()
+                    if prompt is None:
+                        break
                 now = self._clock()
                 lease = Lease(f"{next(self._seq)}-{secrets.token_hex(4)}", prompt, client,
                               now + self.lease_timeout_s, granted_at=now)
@@ -106,13 +119,26 @@ class TaskBoard:
             self.leased += len(out)
             return out
 
+    def _next_from_source_locked(self) -> Prompt | None:
+        """The source's next prompt that is neither settled by a journal replay nor retired; None when
+        SOURCE_SKIP_BOUND in a row were retired (a dataset of nothing but poison must not spin here)."""
+        for _ in range(SOURCE_SKIP_BOUND):
+            prompt = next(self._source)
+            if prompt.prompt_id in self._skip:
+                self._skip.discard(prompt.prompt_id)
+            elif self._retired_content and content_key(prompt) in self._retired_content:
+                self.skipped_retired += 1
+            else:
+                return prompt
+        return None
+
     def complete(self, lease_id: str, client: bytes) -> Lease:
         """Mark a lease fulfilled; raises LeaseRejected for unknown, expired or someone else's lease."""
         with self._lock:
             self._expire_locked()
             lease = self._held_locked(lease_id, client)
             self._pop_locked(lease_id)
-            self._failures.pop(lease.prompt.prompt_id, None)
+            self._scored_locked(lease.prompt)
             self.completed += 1
             return lease
 
@@ -125,7 +151,7 @@ class TaskBoard:
             raise LeaseRejected(f"lease {lease_id} belongs to another volunteer")
         return lease
 
-    def complete_all(self, lease_ids, client: bytes) -> list[Lease]:
+    def complete_all(self, lease_ids, client: bytes, unscored=()) -> list[Lease]:
         """Complete every lease of one batch, or none: raises LeaseRejected (and changes nothing) when any
         of them is unknown, expired or someone else's — so a group whose lease expired mid-batch can
         never leave the others completed but untrained."""
@@ -138,9 +164,14 @@ class TaskBoard:
                 raise LeaseRejected("the same lease twice in one batch")
             for lease in leases:
                 self._pop_locked(lease.lease_id)
-                self._failures.pop(lease.prompt.prompt_id, None)
+                if lease.lease_id not in unscored:  # `unscored`: groups ingest could not score (note_unscorable)
+                    self._scored_locked(lease.prompt)
             self.completed += len(leases)
             return leases
+
+    def _scored_locked(self, prompt: Prompt) -> None:
+        if self._failures:
+            self._failures.pop(content_key(prompt), None)  # a group of it came back: not poison after all
 
     def reopen(self, leases: list[Lease]) -> None:
         """Undo `complete_all` (the batch could not be queued after all): the leases are outstanding
@@ -178,26 +209,73 @@ class TaskBoard:
                 out[lid] = max(0.0, lease.expires_at - now)
             return out
 
+    def hold(self, lease_ids, client: bytes) -> list[str]:
+        """Ingest is verifying a batch that answers these leases (held by `client`): they do not expire until
+        `unhold`, so our own scoring time (a verifier queue, a slow check) never turns a batch that arrived
+        in time into UNKNOWN_LEASE. Returns the ids held (unknown or others' leases are skipped)."""
+        with self._lock:
+            held = [lid for lid in lease_ids if lid in self._outstanding and self._outstanding[lid].client == client]
+            for lid in held:
+                self._outstanding[lid].holds += 1
+            return held
+
+    def unhold(self, lease_ids) -> None:
+        """End `hold` (the batch was committed, refused or failed); a lease past its time expires at the next
+        expiry pass."""
+        with self._lock:
+            for lid in lease_ids:
+                lease = self._outstanding.get(lid)
+                if lease is not None and lease.holds > 0:
+                    lease.holds -= 1
+
     def abandon(self, lease_ids, client: bytes) -> int:
         """The holder's batch for these leases was refused: end them now, as if they had expired (their
         prompts are requeued for someone else). Unknown ids and other clients' leases are ignored."""
         with self._lock:
             gone = self._take_locked(lease_ids, client)
-            for prompt in gone:
-                self._failed_locked(prompt, client)
+            self._requeued.extend(gone)
             self.expired += len(gone)
             return len(gone)
 
-    def _failed_locked(self, prompt: Prompt, client: bytes) -> None:
-        """A lease of `prompt` held by `client` ended without a group: requeue it, or retire it (poison)."""
-        keys = self._failures.setdefault(prompt.prompt_id, set())
+    def report_unscorable(self, lease_ids, client: bytes) -> int:
+        """The holder could not score these leases' groups (its reward check did not finish): end them now
+        (counted as returned) and count the report against each prompt; a prompt reported by
+        prompt_max_failures distinct keys is retired instead of requeued. Others' and unknown ids are ignored."""
+        with self._lock:
+            gone = self._take_locked(lease_ids, client)
+            for prompt in gone:
+                if not self._note_unscorable_locked(prompt, client):
+                    self._requeued.append(prompt)
+            self.returned += len(gone)
+            return len(gone)
+
+    def note_unscorable(self, prompts, client: bytes) -> None:
+        """Ingest could not score these (completed, now dropped) groups of `client`'s batch: count it."""
+        with self._lock:
+            for prompt in prompts:
+                self._note_unscorable_locked(prompt, client, settled=True)
+
+    def _note_unscorable_locked(self, prompt: Prompt, client: bytes, settled: bool = False) -> bool:
+        """Count `client`'s report on `prompt`; True when that retires it. `settled`: the lease was completed
+        (its group dropped at ingest), so the retirement is of the record only (nothing to take off a queue)."""
+        key = content_key(prompt)
+        if key in self._retired_content:  # another copy of a record retired meanwhile
+            if not settled:
+                self.retired += 1
+            return True
+        keys = self._failures.setdefault(key, set())
         keys.add(client.hex())
-        if self.prompt_max_failures and len(keys) >= self.prompt_max_failures:
-            del self._failures[prompt.prompt_id]
+        if not self.prompt_max_failures or len(keys) < self.prompt_max_failures:
+            return False
+        if len(self._retired_content) >= max(RETIRE_FLOOR, RETIRE_FRACTION * self.leased):
+            self.retire_capped += 1  # reports beyond the cap: a broken verifier install or Sybil keys, not data
+            return False
+        del self._failures[key]
+        self._retired_content.add(key)
+        self.retired_ids.append(prompt.prompt_id)
+        if not settled:
             self.retired += 1
-            self.retired_ids.append(prompt.prompt_id)
-            return
-        self._requeued.append(prompt)
+        return True
 
     def release(self, lease_ids, client: bytes) -> int:
         """The holder gives these leases back unfinished (it paused): requeue their prompts now, first in
@@ -261,6 +339,7 @@ class TaskBoard:
                 "skip": sorted(self._skip),
                 "failures": {pid: sorted(keys) for pid, keys in self._failures.items()},
                 "retired_ids": list(self.retired_ids),
+                "retired_content": sorted(self._retired_content),
                 "seq": next(self._seq),
                 "source": source_state,
             }
@@ -287,6 +366,7 @@ class TaskBoard:
                 setattr(self, k, int(state["counters"].get(k, 0)))
             self._failures = {pid: set(keys) for pid, keys in state.get("failures", {}).items()}
             self.retired_ids = deque(state.get("retired_ids", ()), maxlen=RETIRED_KEPT)
+            self._retired_content = set(state.get("retired_content", ()))
             self._skip = set(state.get("skip", ()))
             self._seq = itertools.count(int(state["seq"]))
 
@@ -298,14 +378,19 @@ class TaskBoard:
         """O(expired) per call, not O(outstanding): a heap by expiry (entries of leases already completed or
         abandoned are dropped as they come up)."""
         now = self._clock()
-        dead = 0
+        dead, held = 0, []
         while self._expiry and self._expiry[0][0] <= now:
             expires_at, lid = heapq.heappop(self._expiry)
             lease = self._outstanding.get(lid)
             if lease is None or lease.expires_at != expires_at:
                 continue
-            self._failed_locked(self._pop_locked(lid).prompt, lease.client)
+            if lease.holds:  # its batch is being verified: looked at again on the next pass
+                held.append((expires_at, lid))
+                continue
+            self._requeued.append(self._pop_locked(lid).prompt)
             dead += 1
+        for entry in held:
+            heapq.heappush(self._expiry, entry)
         if len(self._expiry) > 4 * len(self._outstanding) + 64:  # many settled leases: rebuild, bounded memory
             self._expiry = [(l.expires_at, lid) for lid, l in self._outstanding.items()]
             heapq.heapify(self._expiry)
@@ -325,15 +410,32 @@ class TaskBoard:
             self._expire_locked()
             return dict(self._held)
 
+    def retired_prompt_ids(self) -> list[str]:
+        """The newest RETIRED_KEPT retired prompt ids, oldest first."""
+        with self._lock:
+            return list(self.retired_ids)
+
     def counts(self) -> dict[str, int]:
         with self._lock:
             return {"leased": self.leased, "completed": self.completed, "expired": self.expired,
                     "dropped": self.dropped, "outstanding": len(self._outstanding),
                     "requeued_waiting": len(self._requeued), "released": self.released, "trained": self.trained,
-                    "renewals": self.renewals, "returned": self.returned, "retired": self.retired}
+                    "renewals": self.renewals, "returned": self.returned, "retired": self.retired,
+                    "skipped_retired": self.skipped_retired, "retire_capped": self.retire_capped,
+                    "retired_records": len(self._retired_content)}
 
 
-_COUNTERS = ("leased", "completed", "expired", "dropped", "released", "trained", "renewals", "returned", "retired")
+_COUNTERS = ("leased", "completed", "expired", "dropped", "released", "trained", "renewals", "returned", "retired",
+             "skipped_retired", "retire_capped")
+
+
+def content_key(p: Prompt) -> str:
+    """What makes two prompts the same record (a dataset's later epochs give it a new prompt id)."""
+    h = hashlib.sha256()
+    for part in (p.text, p.answer, p.reward, p.columns):
+        data = (part or "").encode()
+        h.update(len(data).to_bytes(8, "big") + data)
+    return h.hexdigest()[:32]
 
 
 def _prompt_dict(p: Prompt) -> dict:

@@ -82,6 +82,11 @@ class TrustState:
             books = {"clients_tracked": len(self.ingest.clients), "clients_forgotten": self.ingest.clients.forgotten,
                      "seen_ids": len(self.ingest.seen), "seen_forgotten": self.ingest.seen.forgotten,
                      "unscorable_groups": self.ingest.unscorable_groups}
+        board = self.ingest.board  # its own lock, taken after the ingest lock is released
+        if board is not None:
+            leases = board.counts()
+            books.update(prompts_retired=leases["retired_records"], retired_prompt_ids=board.retired_prompt_ids(),
+                         leases_expired=leases["expired"])
         return {
             "clients": clients,
             "access": self.access.status() if self.access is not None else None,

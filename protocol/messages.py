@@ -185,6 +185,9 @@ class LeaseRequest(_Message):
     # schema 2: this volunteer's measured wall seconds per leased prompt, grant to ack; 0 = not measured.
     # The coordinator refuses TOO_SLOW when even one prompt cannot be back within `lease_budget_s`.
     seconds_per_prompt: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] = 0.0
+    # schema 2: leases whose groups this volunteer could not score (its reward check did not finish): ended
+    # now, and counted against the prompt (poison prompts are retired: coordinator/taskboard.py)
+    unscorable: Annotated[tuple[Id, ...], msgspec.Meta(max_length=limits.MAX_GROUPS_PER_BATCH)] = ()
 
 
 class LeaseRenewal(_Record):

@@ -26,9 +26,13 @@ def _work_unit(path: str) -> str:
     (2026-12-01) the real-shape test's two vLLM volunteers beside the adversarial swarm drove the load to
     ~15, where that swarm's learner ran 17 versions ahead of its volunteers (batches dropped stale, audits
     skipped) and streams were hung up on without an answer."""
-    if path.startswith("tests/adversarial/") or _uses_vllm(path):
+    if (path.startswith("tests/adversarial/") and path not in OWN_SWARM) or _uses_vllm(path):
         return "heavy"
     return path
+
+
+OWN_SWARM = {"tests/adversarial/test_rewards.py"}
+"""Adversarial files that start a swarm of their own instead of the package's shared one: ordinary units."""
 
 
 _VLLM_FILES: dict[str, bool] = {}
@@ -45,7 +49,7 @@ def _uses_vllm(path: str) -> bool:
 
 def _rank(path: str) -> int:
     unit = _work_unit(path)
-    return _UNIT_RANK.get(unit, 2 if unit.startswith("tests/integration/") else 3)
+    return _UNIT_RANK.get(unit, 2 if unit.startswith(("tests/integration/", "tests/adversarial/")) else 3)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,6 +1,7 @@
 """Render the adversarial suite's results (and the audit calibration) as markdown for docs/SECURITY.md.
 
-    .venv/bin/python -m pytest tests/adversarial          # writes tests/artifacts/adversarial.json
+    .venv/bin/python -m pytest tests/adversarial          # writes tests/artifacts/adversarial.json (shared swarm)
+                                                          # and adversarial_rewards.json (test_rewards.py's own)
     .venv/bin/python bench/audit_calibration.py           # writes runs/bench/audit_calibration.json
     .venv/bin/python -m tests.adversarial.report          # prints the tables
     .venv/bin/python -m tests.adversarial.report --write docs/SECURITY.md   # replaces the marked sections
@@ -21,10 +22,13 @@ from tests.adversarial.swarm import ARTIFACT
 
 REPO = Path(__file__).resolve().parents[2]
 CALIBRATION = REPO / "runs" / "bench" / "audit_calibration.json"
+OWN_ARTIFACTS = [ARTIFACT.with_name("adversarial_rewards.json")]
 
 
-def attack_table(data: dict) -> str:
-    rows = [r for r in data["attacks"] if not r["attack"].startswith("_")]
+def attack_table(data: dict, own: list[dict] = ()) -> str:
+    """`data`: the shared swarm's artifact; `own`: artifacts of modules with a swarm of their own (their rows
+    follow, and their honest volunteers get a line of their own)."""
+    rows = [r for d in (data, *own) for r in d["attacks"] if not r["attack"].startswith("_")]
     lines = ["| # | attack | what mallory does | tried | handled | outcome codes | honest batches lost |",
              "|---|---|---|---:|---:|---|---:|"]
     for i, r in enumerate(rows, 1):
@@ -42,6 +46,11 @@ def attack_table(data: dict) -> str:
     tail = ["", f"{len(rows)} attack kinds, {sum(r['tried'] for r in rows)} attempts, "
             f"{sum(r['rejected'] for r in rows)} handled; honest batches lost: "
             f"{sum(r['honest_lost'] for r in rows)}; honest volunteers — {honest}."]
+    for d in own:
+        end = d.get("honest_end", {})
+        tail.append("Reward rows (their own swarm, tests/adversarial/test_rewards.py): " + "; ".join(
+            f"{name}: {end[name]['acked']} batches acked, rejected {end[name]['client_rejected'] or '{}'}"
+            for name in sorted(end)) + f"; books {json.dumps({k: v for k, v in (d.get('books') or {}).items() if k in ('unscorable_groups', 'prompts_retired')})}.")
     if data.get("coordinator_rss_peak"):
         tail.append(f"Coordinator RSS during the suite: {data['coordinator_rss_start'] / 2**20:.0f} MiB at the start, "
                     f"peak {data['coordinator_rss_peak'] / 2**20:.0f} MiB (sampled every 0.5 s).")
@@ -109,7 +118,8 @@ def main(argv=None) -> int:
     ap.add_argument("--write", default=None, help="update the marked sections of this markdown file")
     args = ap.parse_args(argv)
     data = json.loads(Path(args.results).read_text())
-    table = attack_table(data)
+    own = [json.loads(p.read_text()) for p in OWN_ARTIFACTS if p.exists()]
+    table = attack_table(data, own)
     cal = json.loads(Path(args.calibration).read_text()) if Path(args.calibration).exists() else None
     cal_md = calibration_section(cal) if cal else None
     if args.write:

@@ -456,12 +456,14 @@ class RssSampler:
         return {"coordinator_rss_start": self.start, "coordinator_rss_peak": max(self.peak, self.start)}
 
 
-def write_artifact(swarm: Swarm, extra: dict) -> None:
-    ARTIFACT.parent.mkdir(parents=True, exist_ok=True)
+def write_artifact(swarm: Swarm, extra: dict, name: str = ARTIFACT.name) -> None:
+    """The suite's rows (tests/artifacts/<name>): the shared swarm's, or a module with a swarm of its own."""
+    path = ARTIFACT.with_name(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
     data = {"attacks": [r.__dict__ for r in swarm.results.values()], "written_at": time.time(), **extra}
-    tmp = ARTIFACT.with_suffix(".tmp")
+    tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, ARTIFACT)
+    os.replace(tmp, path)
 
 
 def sha(data: bytes) -> bytes:
