@@ -621,23 +621,30 @@ class Volunteer:
         sampling = leases[0].sampling
         group_size = leases[0].group_size
         version = self.serving_version
+        # Scoring runs under the keeper too: a reward check can take its whole time limit per group (a
+        # stuck math check: 10 s), and a lease must not expire between generation and upload because of it.
         with LeaseKeeper(self._renew, leases) as keeper:
             if FAULT.startswith("slow-generate:"):  # test-only: an honest but slow GPU (tests/integration/test_long_work.py)
                 self.stop.wait(float(FAULT.split(":", 1)[1]))
             generated, unfinished, reason = self._generate_politely(leases, group_size, sampling)
+            results = []
+            for lease, group in generated:
+                texts = [self.engine.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in group]
+                prompt = tasks.Prompt(lease.prompt_id, lease.prompt, lease.answer, lease.reward, lease.columns)
+                try:  # the coordinator re-scores with this same call (coordinator/ingest.py)
+                    results.append((lease, group, tasks.score_group(prompt, texts, [s.token_ids for s in group]).rewards))
+                except Exception as exc:  # noqa: BLE001 - a broken reward costs its group, not the volunteer
+                    results.append((lease, group, exc))
         self.status.lease_renewals += keeper.renewals
         if unfinished:  # paused mid-lease: the rest goes back to the coordinator now, not at expiry
             self._release(unfinished, reason)
         groups, unscored = [], []
-        for lease, group in generated:
+        for lease, group, scored in results:
             if lease.lease_id in keeper.lost:
                 self._abandon(lease, "the coordinator no longer holds it for us (expired)", counter="leases_lost")
                 continue
-            texts = [self.engine.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in group]
-            prompt = tasks.Prompt(lease.prompt_id, lease.prompt, lease.answer, lease.reward, lease.columns)
-            try:  # the coordinator re-scores with this same call (coordinator/ingest.py)
-                scored = tasks.score_group(prompt, texts, [s.token_ids for s in group]).rewards
-            except Exception as exc:  # noqa: BLE001 - a broken reward costs its group, not the volunteer
+            if isinstance(scored, Exception):
+                exc = scored
                 if isinstance(exc, tasks.Unscorable):  # our verifier could not finish: send nothing rather than a guess
                     self.status.groups_unscorable += 1
                     unscored.append(lease)

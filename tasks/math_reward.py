@@ -27,8 +27,23 @@ import time
 from collections import defaultdict
 from typing import Callable
 
-TIMEOUT_S = 10.0
-"""Longest one check may take (wall clock) before its worker is killed."""
+def _timeout_from_env(default: float = 10.0) -> float:
+    raw = os.environ.get("ASYNCRL_REWARD_TIMEOUT_S", "")
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 3600:
+        raise ValueError(f"ASYNCRL_REWARD_TIMEOUT_S={raw!r}: expected seconds in (0, 3600]")
+    return value
+
+
+TIMEOUT_S = _timeout_from_env()
+"""Longest one check may take (wall clock) before its worker is killed: 10 s, or ASYNCRL_REWARD_TIMEOUT_S
+(the same on the coordinator and its volunteers is best: a check one side finishes and the other cuts
+drops that group)."""
 ACQUIRE_S = 30.0
 """Longest a caller waits for a free worker before the check counts as unscorable."""
 STARTUP_S = 120.0

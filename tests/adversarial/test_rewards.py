@@ -38,8 +38,11 @@ HANG = "9**9**9**9+0+0+0"  # as a completion, math-verify evaluates 9^(9^(9^9)):
 POISON_ANSWER = "$9^{9^{9^{8}}}$"  # as a gold answer, the same: no completion can be scored against it (not HANG's
 # value: math-verify may find two identical towers equal without evaluating them)
 MAX_NEW_TOKENS, GROUP_SIZE = 16, 4
+# Every stuck check burns a core until its time limit: 2 s instead of 10 keeps this module from slowing the
+# rest of the suite (same limit on every process of this swarm).
+CHECK_TIME = {"ASYNCRL_REWARD_TIMEOUT_S": "2"}
 FLAGS = ["--run-id", RUN_ID, "--max-steps", "0", "--threads", "1", "--groups-per-step", "4", "--max-staleness", "-1",
-         "--max-wait-s", "2", "--lease-timeout-s", "15", "--prompt-max-failures", "2", "--checkpoint-every", "0",
+         "--max-wait-s", "2", "--prompt-max-failures", "2", "--checkpoint-every", "0",
          "--no-dashboard", "--no-audit", "--group-size", str(GROUP_SIZE), "--prompts-per-lease", "2",
          "--max-new-tokens", str(MAX_NEW_TOKENS)]
 
@@ -58,7 +61,7 @@ def math_swarm(tmp_path_factory):
     procs = Procs(root)
     run = root / "run"
     coord = procs.start("coordinator", ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny", "--run-dir", str(run),
-                                        "--task", str(dataset(root / "math.jsonl")), *FLAGS])
+                                        "--task", str(dataset(root / "math.jsonl")), *FLAGS], env=CHECK_TIME)
     records: dict[str, AttackRecord] = {}
     try:
         join = wait_for_join(run, 240, coord)
@@ -66,7 +69,7 @@ def math_swarm(tmp_path_factory):
         for seed, name in enumerate(("carol", "dave"), 1):
             honest[name] = root / name
             procs.start(name, ["-m", "asyncrl.client.cli", "join", join, "--name", name, "--data-dir", str(root / name),
-                               "--seed", str(seed), "--threads", "1", "--quiet"])
+                               "--seed", str(seed), "--threads", "1", "--quiet"], env=CHECK_TIME)
         s = Swarm(root=root, run=run, join=join, coordinator_pid=coord.pid, honest=honest)
         s.results = records
         wait_for(lambda: all(s.status(n).get("batches_acked", 0) >= 1 for n in honest), 300,

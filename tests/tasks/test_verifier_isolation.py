@@ -59,3 +59,16 @@ def test_one_key_cannot_take_the_whole_pool(pool):
     assert all(isinstance(r, Unscorable) for r in results[:4])
     assert results[4:] == [1.0] * 4  # mallory held at most per_key=2 of the 4 workers at any time
     assert time.monotonic() - t0 < 20
+
+
+def test_the_check_time_limit_comes_from_the_environment(monkeypatch):
+    from asyncrl.tasks.math_reward import _timeout_from_env
+
+    monkeypatch.setenv("ASYNCRL_REWARD_TIMEOUT_S", "2.5")
+    assert _timeout_from_env() == 2.5
+    monkeypatch.delenv("ASYNCRL_REWARD_TIMEOUT_S")
+    assert _timeout_from_env() == 10.0
+    for bad in ("0", "-1", "soon", "1e9"):
+        monkeypatch.setenv("ASYNCRL_REWARD_TIMEOUT_S", bad)
+        with pytest.raises(ValueError, match="ASYNCRL_REWARD_TIMEOUT_S"):
+            _timeout_from_env()
