@@ -38,9 +38,9 @@ HANG = "9**9**9**9+0+0+0"  # as a completion, math-verify evaluates 9^(9^(9^9)):
 POISON_ANSWER = "$9^{9^{9^{8}}}$"  # as a gold answer, the same: no completion can be scored against it (not HANG's
 # value: math-verify may find two identical towers equal without evaluating them)
 MAX_NEW_TOKENS, GROUP_SIZE = 16, 4
-# Every stuck check burns a core until its time limit: 2 s instead of 10 keeps this module from slowing the
+# Every stuck check burns a core until its time limit: 3 s instead of 10 keeps this module from slowing the
 # rest of the suite (same limit on every process of this swarm).
-CHECK_TIME = {"ASYNCRL_REWARD_TIMEOUT_S": "2"}
+CHECK_TIME = {"ASYNCRL_REWARD_TIMEOUT_S": "3"}
 FLAGS = ["--run-id", RUN_ID, "--max-steps", "0", "--threads", "1", "--groups-per-step", "4", "--max-staleness", "-1",
          "--max-wait-s", "2", "--prompt-max-failures", "2", "--checkpoint-every", "0",
          "--no-dashboard", "--no-audit", "--group-size", str(GROUP_SIZE), "--prompts-per-lease", "2",
