@@ -4,8 +4,10 @@ Rewards are right in every batch here (recomputed anyway), so only the logprob a
 (coordinator/audit.py) can catch them. mallory's keys are new, so every batch of hers is audited: at
 ingest on the shadow model when she claims an older version, or on the learner's own forward pass
 (verdict after the ack, before any gradient) when she claims the current one.
-She claims the versions named in her lease grants: a claim older than max_staleness is not audited at
-all (the learner drops such batches unread), which would prove nothing here.
+She claims the newest version she holds (a signed pointer proves it published; the learner's version in her
+lease grant may not be published yet, which is FUTURE_VERSION before any audit) or one a few back: a claim
+older than max_staleness is not audited at all (the learner drops such batches unread), which would prove
+nothing here.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def test_fabricated_logprobs(mallory, attack):
         current = mallory.follow()
         groups = replace_completions(mallory.generate(leases, current), lambda c: messages.Completion(
             c.token_ids, np.asarray(make(len(c.token_ids) // 4), dtype="<f4").tobytes(), c.reward, c.finish_reason))
-        code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.coordinator_version))))
+        code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, current.version))))
         rec.saw(code)
         assert code == "LOGPROB_MISMATCH"
 
@@ -43,7 +45,7 @@ def test_fabricated_completions(mallory, attack):
 
     ident = Identity.generate()
     leases = mallory.lease(ident, 1)
-    mallory.follow()  # hold the current adapter (the audit compares against it)
+    current = mallory.follow()  # hold the current adapter (the audit compares against it)
     tok = mallory.engine.tokenizer
     groups = []
     for lease in leases:
@@ -52,7 +54,7 @@ def test_fabricated_completions(mallory, attack):
         comps = tuple(completion(ids, [-0.01] * len(ids), reward) for _ in range(lease.group_size))
         groups.append(messages.RolloutGroup(lease_id=lease.lease_id, prompt_id=lease.prompt_id,
                                             prompt_token_ids=lease.prompt_token_ids, completions=comps))
-    code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.coordinator_version))))
+    code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, current.version))))
     rec.saw(code)
     assert code == "LOGPROB_MISMATCH"
 
@@ -66,7 +68,10 @@ def test_completions_from_another_adapter_version(mallory, swarm, attack):
     leases = mallory.lease(ident, 1)
     current = mallory.follow()
     groups = mallory.generate(leases, mallory.adapters[oldest])
-    code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.coordinator_version))))
+    # Claimed: the newest version she holds, which a signed pointer proves published. (Not the learner's version
+    # from her lease grant: that one may not be published yet when the batch arrives, and the coordinator then
+    # answers FUTURE_VERSION before any audit: CI run r3 of 2026-12-03.)
+    code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, current.version))))
     rec.saw(code)
     assert code == "LOGPROB_MISMATCH"
     # (b) her newest tokens, claimed as another version that is still held (max_staleness is 16 here).
@@ -76,8 +81,8 @@ def test_completions_from_another_adapter_version(mallory, swarm, attack):
     leases = mallory.lease(ident, 1)
     current = mallory.follow()
     groups = mallory.generate(leases, current)
-    cv = mallory.coordinator_version  # claim whichever end of the held window is farther from her version
-    claim = max((max(0, cv - 10), cv), key=lambda c: abs(c - current.version))
+    cv = current.version  # published (see (a)); claim 8 back: held, and within max_staleness 16 of the learner
+    claim = max(0, cv - 8)  # even when her pointer lags it by a few versions
     code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, claim))))
     rec.saw(code)
     assert code == "LOGPROB_MISMATCH"
@@ -94,6 +99,6 @@ def test_completions_from_another_base_model(mallory, attack):
     other = tinymodel.write_tiny_model(tinymodel.default_tiny_model_dir().with_name("tiny-other-base"), seed=1)
     engine = TransformersEngine(str(other), current.manifest.lora, seed=3)
     groups = mallory.generate(leases, current, engine=engine)
-    code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.coordinator_version))))
+    code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, current.version))))
     rec.saw(code)
     assert code == "LOGPROB_MISMATCH"
