@@ -4,10 +4,10 @@ Rewards are right in every batch here (recomputed anyway), so only the logprob a
 (coordinator/audit.py) can catch them. mallory's keys are new, so every batch of hers is audited: at
 ingest on the shadow model when she claims an older version, or on the learner's own forward pass
 (verdict after the ack, before any gradient) when she claims the current one.
-She claims the newest version she holds (a signed pointer proves it published; the learner's version in her
-lease grant may not be published yet, which is FUTURE_VERSION before any audit) or one a few back: a claim
-older than max_staleness is not audited at all (the learner drops such batches unread), which would prove
-nothing here.
+She claims the versions named in her lease grants: a claim older than max_staleness is not audited at
+all (the learner drops such batches unread), which would prove nothing here. She waits until the version of
+her last grant is published (`published()`): the learner's version can be a step ahead of the pointer, and a
+batch claiming it before then is refused FUTURE_VERSION before any audit (CI run r3 of 2026-12-03).
 """
 
 from __future__ import annotations
@@ -25,16 +25,21 @@ from tests.adversarial.swarm import completion, replace_completions
 pytestmark = pytest.mark.integration
 
 
+def published(mallory):
+    """Her newest adapter, once it is at least the version of her last lease grant (which she claims)."""
+    return mallory.follow(at_least=mallory.coordinator_version)
+
+
 def test_fabricated_logprobs(mallory, attack):
     rec = attack("fabricated logprobs", "honest tokens, made-up logprobs (uniform random / all -0.01)")
     rng = random.Random(0)
     for make in (lambda n: [-rng.uniform(0.0, 4.0) for _ in range(n)], lambda n: [-0.01] * n):
         ident = Identity.generate()
         leases = mallory.lease(ident, 1)
-        current = mallory.follow()
+        current = published(mallory)
         groups = replace_completions(mallory.generate(leases, current), lambda c: messages.Completion(
             c.token_ids, np.asarray(make(len(c.token_ids) // 4), dtype="<f4").tobytes(), c.reward, c.finish_reason))
-        code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, current.version))))
+        code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.coordinator_version))))
         rec.saw(code)
         assert code == "LOGPROB_MISMATCH"
 
@@ -45,7 +50,7 @@ def test_fabricated_completions(mallory, attack):
 
     ident = Identity.generate()
     leases = mallory.lease(ident, 1)
-    current = mallory.follow()  # hold the current adapter (the audit compares against it)
+    published(mallory)  # hold the current adapter (the audit compares against it)
     tok = mallory.engine.tokenizer
     groups = []
     for lease in leases:
@@ -54,7 +59,7 @@ def test_fabricated_completions(mallory, attack):
         comps = tuple(completion(ids, [-0.01] * len(ids), reward) for _ in range(lease.group_size))
         groups.append(messages.RolloutGroup(lease_id=lease.lease_id, prompt_id=lease.prompt_id,
                                             prompt_token_ids=lease.prompt_token_ids, completions=comps))
-    code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, current.version))))
+    code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.coordinator_version))))
     rec.saw(code)
     assert code == "LOGPROB_MISMATCH"
 
@@ -66,12 +71,9 @@ def test_completions_from_another_adapter_version(mallory, swarm, attack):
     # (a) old tokens and logprobs, claimed as the current version (dodging the staleness bound)
     ident = Identity.generate()
     leases = mallory.lease(ident, 1)
-    current = mallory.follow()
+    current = published(mallory)
     groups = mallory.generate(leases, mallory.adapters[oldest])
-    # Claimed: the newest version she holds, which a signed pointer proves published. (Not the learner's version
-    # from her lease grant: that one may not be published yet when the batch arrives, and the coordinator then
-    # answers FUTURE_VERSION before any audit: CI run r3 of 2026-12-03.)
-    code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, current.version))))
+    code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.coordinator_version))))
     rec.saw(code)
     assert code == "LOGPROB_MISMATCH"
     # (b) her newest tokens, claimed as another version that is still held (max_staleness is 16 here).
@@ -79,10 +81,10 @@ def test_completions_from_another_adapter_version(mallory, swarm, attack):
     # then the claim is also harmless (docs/SECURITY.md); the calibration covers 1-4 apart early on.
     ident = Identity.generate()
     leases = mallory.lease(ident, 1)
-    current = mallory.follow()
+    current = published(mallory)
     groups = mallory.generate(leases, current)
-    cv = current.version  # published (see (a)); claim 8 back: held, and within max_staleness 16 of the learner
-    claim = max(0, cv - 8)  # even when her pointer lags it by a few versions
+    cv = mallory.coordinator_version  # claim whichever end of the held window is farther from her version
+    claim = max((max(0, cv - 10), cv), key=lambda c: abs(c - current.version))
     code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, claim))))
     rec.saw(code)
     assert code == "LOGPROB_MISMATCH"
@@ -95,10 +97,10 @@ def test_completions_from_another_base_model(mallory, attack):
 
     ident = Identity.generate()
     leases = mallory.lease(ident, 1)
-    current = mallory.follow()
+    current = published(mallory)
     other = tinymodel.write_tiny_model(tinymodel.default_tiny_model_dir().with_name("tiny-other-base"), seed=1)
     engine = TransformersEngine(str(other), current.manifest.lora, seed=3)
     groups = mallory.generate(leases, current, engine=engine)
-    code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, current.version))))
+    code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.coordinator_version))))
     rec.saw(code)
     assert code == "LOGPROB_MISMATCH"
