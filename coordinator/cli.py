@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--lease-max-s", type=float, default=d.lease_max_s,
                      help="renewals keep a lease for at most this long after its grant (0 = no renewals)")
     run.add_argument("--prompt-max-failures", type=int, default=d.prompt_max_failures,
-                     help="retire a prompt after leases of it by this many distinct keys ended without a group "
+                     help="retire a record once this many distinct keys reported it unscorable "
                           "(poison prompts; 0 = never)")
     run.add_argument("--max-inflight-groups", type=int, default=d.max_inflight_groups,
                      help="back-pressure bound on leased + queued groups (0 = 2 x --groups-per-step)")

@@ -193,9 +193,10 @@ class CoordinatorConfig:
     """Volunteers renew the leases they are working on (coordinator/taskboard.py): each renewal restarts
     lease_timeout_s, but a lease never lives longer than this after its grant (0 = no renewals)."""
     prompt_max_failures: int = 3
-    """Retire a prompt (never lease it again) once leases of it held by this many distinct keys ended
-    without a group: a poison prompt (a reward check that never finishes on it, an engine that cannot take
-    it) is otherwise re-leased forever (coordinator/taskboard.py; 0 = never retire)."""
+    """Retire a record (never lease it again, in any epoch) once this many distinct keys reported it
+    unscorable (`LeaseRequest.unscorable`, or ingest's own check failing) with no group of it scored since:
+    a poison prompt (a reward check that never finishes on it) is otherwise re-leased forever; silent
+    expiries never count (coordinator/taskboard.py; 0 = never retire)."""
     max_inflight_groups: int = 0
     """Back-pressure: stop granting leases while leased-but-unreturned plus queued-but-untrained groups
     reach this. Keeps volunteers from racing ahead of the learner (whose backlog would only go stale);

@@ -214,7 +214,7 @@ class TaskBoard:
         `unhold`, so our own scoring time (a verifier queue, a slow check) never turns a batch that arrived
         in time into UNKNOWN_LEASE. Returns the ids held (unknown or others' leases are skipped)."""
         with self._lock:
-            held = [lid for lid in lease_ids if lid in self._outstanding and self._outstanding[lid].client == client]
+            held = self._owned_locked(lease_ids, client)
             for lid in held:
                 self._outstanding[lid].holds += 1
             return held
@@ -289,8 +289,11 @@ class TaskBoard:
 
     def _take_locked(self, lease_ids, client: bytes) -> list:
         """End `client`'s leases among `lease_ids` (others' and unknown ids are ignored); their prompts."""
-        held = [lid for lid in lease_ids if lid in self._outstanding and self._outstanding[lid].client == client]
-        return [self._pop_locked(lid).prompt for lid in held]
+        return [self._pop_locked(lid).prompt for lid in self._owned_locked(lease_ids, client)]
+
+    def _owned_locked(self, lease_ids, client: bytes) -> list[str]:
+        """The ids among `lease_ids` that are outstanding and held by `client` (others' and unknown ones dropped)."""
+        return [lid for lid in lease_ids if lid in self._outstanding and self._outstanding[lid].client == client]
 
     def mark_dropped(self, n: int = 1) -> None:
         with self._lock:
