@@ -10,6 +10,7 @@ internet. Results go to tests/artifacts/adversarial.json (rendered into docs/SEC
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -296,6 +297,27 @@ class Mallory:
             self.coordinator_version = grant.current_version
             return list(grant.leases) or None
         return wait_for(attempt, timeout, "a lease for mallory", interval=0.5)
+
+    @contextlib.contextmanager
+    def leased(self, ident: Identity, n: int = 1, node=None):
+        """`lease()`, with the leases renewed while the block runs, as a real volunteer's LeaseKeeper does
+        while it works (client/lease_keeper.py). An attack judged by the audit must not depend on following,
+        loading an engine and generating within one lease timeout (30 s here) on a loaded machine: CI on
+        297e41d got UNKNOWN_LEASE instead of LOGPROB_MISMATCH that way. Renewal stops when the block ends
+        (leases of a refused batch must not be pinned for the rest of the module)."""
+        from asyncrl.client.lease_keeper import LeaseKeeper
+
+        leases = self.lease(ident, n, node)
+        with LeaseKeeper(lambda ids: self.renew(ident, ids, node), leases):
+            yield leases
+
+    def renew(self, ident: Identity, lease_ids: list[str], node=None) -> dict[str, float]:
+        """One renewal-only lease request as `ident`: seconds left per lease id (0 = gone)."""
+        req = messages.LeaseRequest(run_id=RUN_ID, max_prompts=0, adapter_version=0, client_name="mallory",
+                                    renew=tuple(lease_ids))
+        sealed = envelope.seal(ident, "lease_request", messages.encode(req), audience=self.swarm.coordinator_key)
+        grant = messages.decode(self.call("lease", sealed, node), messages.LeaseGrant, max_bytes=4 << 20)
+        return {r.lease_id: r.expires_in_s for r in grant.renewed}
 
     def lease_once(self, ident: Identity, n: int = 1, node=None) -> messages.LeaseGrant:
         req = messages.LeaseRequest(run_id=RUN_ID, max_prompts=n, adapter_version=0, client_name="mallory")

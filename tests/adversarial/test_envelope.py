@@ -100,11 +100,14 @@ def test_expired_timestamp(mallory, attack):
 
 
 def test_oversized_payload_is_refused_before_it_is_read(mallory, swarm, attack):
-    rec = attack("oversized payload", "frame announcing 1 GiB, 48 MiB actually sent; coordinator memory bounded",
+    rec = attack("oversized payload", "frame announcing 1 GiB, 128 MiB actually sent; coordinator memory bounded",
                  note="RSS growth measured on the coordinator process")
     node = mallory.new_node()
+    # The coordinator trains and ingests meanwhile, so its RSS moves by itself: 27 MiB within this window
+    # under one CPU hog (2026-12-03). The body is large next to that, so a buffered body cannot hide in it.
+    body = os.urandom(1 << 20) * 128
     rss_before = swarm.rss_bytes()
-    code = mallory.raw_stream("submit", 1 << 30, os.urandom(1 << 20) * 48, node=node)
+    code = mallory.raw_stream("submit", 1 << 30, body, node=node)
     rec.saw(code)
     assert code == "PAYLOAD_TOO_LARGE"
     code = mallory.raw_stream("lease", 1 << 20, b"\x00" * (2 << 20), node=node)
@@ -112,7 +115,7 @@ def test_oversized_payload_is_refused_before_it_is_read(mallory, swarm, attack):
     assert code == "PAYLOAD_TOO_LARGE"
     growth = swarm.rss_bytes() - rss_before
     rec.note += f"; RSS growth {growth / 2**20:.1f} MiB"
-    assert growth < 24 * 2**20, f"coordinator grew by {growth / 2**20:.0f} MiB: the body was buffered"
+    assert growth < len(body) // 2, f"coordinator grew by {growth / 2**20:.0f} MiB: the body was buffered"
 
 
 MALFORMED_CODES = {"MALFORMED", "SIGNATURE_MISMATCH", "UNSUPPORTED_VERSION", "PAYLOAD_TOO_LARGE", "NOT_ALLOWED",

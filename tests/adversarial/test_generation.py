@@ -7,7 +7,9 @@ ingest on the shadow model when she claims an older version, or on the learner's
 She claims the versions named in her lease grants: a claim older than max_staleness is not audited at
 all (the learner drops such batches unread), which would prove nothing here. She waits until the version of
 her last grant is published (`published()`): the learner's version can be a step ahead of the pointer, and a
-batch claiming it before then is refused FUTURE_VERSION before any audit (CI run r3 of 2026-12-03).
+batch claiming it before then is refused FUTURE_VERSION before any audit (CI run r3 of 2026-12-03). Her leases
+are renewed while she works (`mallory.leased`), as a volunteer's are, so a slow machine cannot turn an audit
+verdict into UNKNOWN_LEASE.
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ def test_fabricated_logprobs(mallory, attack):
     rng = random.Random(0)
     for make in (lambda n: [-rng.uniform(0.0, 4.0) for _ in range(n)], lambda n: [-0.01] * n):
         ident = Identity.generate()
-        leases = mallory.lease(ident, 1)
-        current = published(mallory)
-        groups = replace_completions(mallory.generate(leases, current), lambda c: messages.Completion(
-            c.token_ids, np.asarray(make(len(c.token_ids) // 4), dtype="<f4").tobytes(), c.reward, c.finish_reason))
-        code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.coordinator_version))))
+        with mallory.leased(ident, 1) as leases:
+            current = published(mallory)
+            groups = replace_completions(mallory.generate(leases, current), lambda c: messages.Completion(
+                c.token_ids, np.asarray(make(len(c.token_ids) // 4), dtype="<f4").tobytes(), c.reward, c.finish_reason))
+            sealed = mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.coordinator_version)))
+            code = mallory.final_code(sealed)
         rec.saw(code)
         assert code == "LOGPROB_MISMATCH"
 
@@ -49,17 +52,18 @@ def test_fabricated_completions(mallory, attack):
     from asyncrl import tasks
 
     ident = Identity.generate()
-    leases = mallory.lease(ident, 1)
-    published(mallory)  # hold the current adapter (the audit compares against it)
-    tok = mallory.engine.tokenizer
-    groups = []
-    for lease in leases:
-        ids = tok(lease.answer * 8)["input_ids"][:8]
-        reward = tasks.score(lease.reward, tok.decode(ids, skip_special_tokens=True), lease.answer)
-        comps = tuple(completion(ids, [-0.01] * len(ids), reward) for _ in range(lease.group_size))
-        groups.append(messages.RolloutGroup(lease_id=lease.lease_id, prompt_id=lease.prompt_id,
-                                            prompt_token_ids=lease.prompt_token_ids, completions=comps))
-    code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.coordinator_version))))
+    with mallory.leased(ident, 1) as leases:
+        published(mallory)  # hold the current adapter (the audit compares against it)
+        tok = mallory.engine.tokenizer
+        groups = []
+        for lease in leases:
+            ids = tok(lease.answer * 8)["input_ids"][:8]
+            reward = tasks.score(lease.reward, tok.decode(ids, skip_special_tokens=True), lease.answer)
+            comps = tuple(completion(ids, [-0.01] * len(ids), reward) for _ in range(lease.group_size))
+            groups.append(messages.RolloutGroup(lease_id=lease.lease_id, prompt_id=lease.prompt_id,
+                                                prompt_token_ids=lease.prompt_token_ids, completions=comps))
+        sealed = mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.coordinator_version)))
+        code = mallory.final_code(sealed)
     rec.saw(code)
     assert code == "LOGPROB_MISMATCH"
 
@@ -70,22 +74,23 @@ def test_completions_from_another_adapter_version(mallory, swarm, attack):
     current = mallory.follow(at_least=oldest + 3)  # let the policy move on from what she kept
     # (a) old tokens and logprobs, claimed as the current version (dodging the staleness bound)
     ident = Identity.generate()
-    leases = mallory.lease(ident, 1)
-    current = published(mallory)
-    groups = mallory.generate(leases, mallory.adapters[oldest])
-    code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.coordinator_version))))
+    with mallory.leased(ident, 1) as leases:
+        current = published(mallory)
+        groups = mallory.generate(leases, mallory.adapters[oldest])
+        sealed = mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.coordinator_version)))
+        code = mallory.final_code(sealed)
     rec.saw(code)
     assert code == "LOGPROB_MISMATCH"
     # (b) her newest tokens, claimed as another version that is still held (max_staleness is 16 here).
     # Far apart: late in training adjacent versions can be closer than the tolerance — and
     # then the claim is also harmless (docs/SECURITY.md); the calibration covers 1-4 apart early on.
     ident = Identity.generate()
-    leases = mallory.lease(ident, 1)
-    current = published(mallory)
-    groups = mallory.generate(leases, current)
-    cv = mallory.coordinator_version  # claim whichever end of the held window is farther from her version
-    claim = max((max(0, cv - 10), cv), key=lambda c: abs(c - current.version))
-    code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, claim))))
+    with mallory.leased(ident, 1) as leases:
+        current = published(mallory)
+        groups = mallory.generate(leases, current)
+        cv = mallory.coordinator_version  # claim whichever end of the held window is farther from her version
+        claim = max((max(0, cv - 10), cv), key=lambda c: abs(c - current.version))
+        code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, claim))))
     rec.saw(code)
     assert code == "LOGPROB_MISMATCH"
 
@@ -96,11 +101,12 @@ def test_completions_from_another_base_model(mallory, attack):
     from asyncrl.models import tinymodel
 
     ident = Identity.generate()
-    leases = mallory.lease(ident, 1)
-    current = published(mallory)
-    other = tinymodel.write_tiny_model(tinymodel.default_tiny_model_dir().with_name("tiny-other-base"), seed=1)
-    engine = TransformersEngine(str(other), current.manifest.lora, seed=3)
-    groups = mallory.generate(leases, current, engine=engine)
-    code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.coordinator_version))))
+    with mallory.leased(ident, 1) as leases:
+        current = published(mallory)
+        other = tinymodel.write_tiny_model(tinymodel.default_tiny_model_dir().with_name("tiny-other-base"), seed=1)
+        engine = TransformersEngine(str(other), current.manifest.lora, seed=3)
+        groups = mallory.generate(leases, current, engine=engine)
+        sealed = mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.coordinator_version)))
+        code = mallory.final_code(sealed)
     rec.saw(code)
     assert code == "LOGPROB_MISMATCH"

@@ -71,9 +71,12 @@ def test_coordinator_killed_and_resumed(procs, tmp_path, free_port):
     versions_after = [e["version"] for e in published_after]
     assert versions_after == sorted(set(versions_after))
 
-    # exactly-once: what the checkpoint had consumed, then everything the resumed run consumed
-    ckpt_index = max(k for k, e in enumerate(before) if e["event"] == "checkpoint" and e["step"] == resume["from_step"])
-    consumed = [i for e in before[:ckpt_index] + after if e["event"] in ("step", "dropped") for i in e["batch_ids"]]
+    # exactly-once: what the checkpoint had consumed, then everything the resumed run consumed. The checkpoint
+    # holds everything up to its step's own `step` event (the learner thread writes the step event, then saves,
+    # then logs `checkpoint`): cut there, not at the `checkpoint` event, which SIGKILL can cut off after the
+    # save is durable (CI on 297e41d: the resumed checkpoint had no event).
+    cut = next(k for k, e in enumerate(before) if e["event"] == "step" and e["step"] == resume["from_step"]) + 1
+    consumed = [i for e in before[:cut] + after if e["event"] in ("step", "dropped") for i in e["batch_ids"]]
     assert len(consumed) == len(set(consumed)), "a batch was trained twice"
 
     summary = json.loads((run / "summary.json").read_text())
