@@ -4,7 +4,8 @@ Owned by the swarm transport (docs/transport.md). Every inbound stream of a `Swa
 handler, passes one `InboundGate` (shared by all handlers of the node), cheapest check first:
 
   1. streams: at most `max_streams` open at once, `max_streams_per_peer` of them per peer id
-     (RATE_LIMITED, nothing read);
+     (RATE_LIMITED; the request is only drained, at most `max_lingering` such streams at once, so that
+     closing does not reset the refusal away: swarm/transport.py `_linger`);
   2. the handler's own `admit(peer)` (coordinator/access.py: bans, per-peer token buckets);
   3. the 8-byte frame header must arrive within `header_timeout_s` (DEADLINE_EXCEEDED);
   4. the announced length is checked against the handler's cap (PAYLOAD_TOO_LARGE) and then *reserved*
@@ -62,11 +63,15 @@ class InboundLimits:
     """Threads for handlers' blocking work (signature checks, decoding, re-scoring)."""
     queue: int = 64
     """Blocking calls that may wait for a thread; more are refused (RATE_LIMITED)."""
+    max_lingering: int = 256
+    """Streams refused for want of a slot that may still drain their caller's request (a bounded read, so
+    that closing does not reset the stream before the caller has read the refusal); beyond this they close
+    at once."""
 
     def __post_init__(self):
         if not (self.max_inflight_bytes > 0 and self.max_inflight_bytes_per_peer > 0 and self.max_streams >= 1 and self.max_streams_per_peer >= 1
                 and self.header_timeout_s > 0 and self.min_read_bps > 0 and self.workers >= 1 and self.queue >= 0
-                and 0 < self.untrusted_share <= 1):
+                and 0 < self.untrusted_share <= 1 and self.max_lingering >= 0):
             raise ValueError(f"invalid inbound limits: {self}")
 
     def body_deadline_s(self, length: int) -> float:
@@ -82,6 +87,7 @@ class InboundStats:
     peak_inflight_bytes: int = 0
     peak_streams: int = 0
     peak_queued: int = 0
+    unlingered: int = 0            # slot refusals closed at once because max_lingering were draining
     latency_ms: dict[str, deque] = field(default_factory=dict)  # handler -> recent wall times (ms)
 
     def record_latency(self, name: str, ms: float, keep: int = 4096) -> None:
@@ -108,6 +114,7 @@ class InboundGate:
         self.untrusted_bytes = 0
         self.streams = 0
         self.by_peer: dict[str, int] = {}        # open streams, only peers that have some
+        self.lingering = 0                       # slot refusals draining their request (max_lingering)
         self.bytes_by_peer: dict[str, int] = {}  # reserved bytes, only peers that have some
         self.stats = InboundStats()
 
@@ -131,6 +138,19 @@ class InboundGate:
                 self.by_peer[peer] = left
             else:
                 del self.by_peer[peer]  # the table holds only peers with open streams
+
+    @contextlib.contextmanager
+    def linger_slot(self):
+        """True while a stream refused for want of a slot may drain its request; False beyond max_lingering."""
+        if self.lingering >= self.limits.max_lingering:
+            self.stats.unlingered += 1
+            yield False
+            return
+        self.lingering += 1
+        try:
+            yield True
+        finally:
+            self.lingering -= 1
 
     @contextlib.contextmanager
     def reserve(self, peer: str, nbytes: int):

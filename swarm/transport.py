@@ -191,10 +191,13 @@ def stream_handler(gate: InboundGate, name: str, handler: Handler, *, max_reques
                 gate.stats.record_latency(name, monotonic_ms() - started)
                 if not read:
                     await _linger(reader)
-        except ProtocolError as exc:  # no stream slot: answer, do not read
-            try:
-                writer.write(_error_frame(exc))
+        except ProtocolError as exc:  # no stream slot: answer without reading the request, then drain it
+            try:             # (bounded) — closing on unread bytes can make p2pd reset the stream before the
+                writer.write(_error_frame(exc))  # caller read the refusal (CI 2026-12-03: 1 of 119 unanswered)
                 await asyncio.wait_for(writer.drain(), 2.0)
+                with gate.linger_slot() as ok:
+                    if ok:
+                        await _linger(reader)
             except Exception:
                 pass
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError):

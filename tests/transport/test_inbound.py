@@ -150,6 +150,37 @@ def test_stream_caps_per_peer_and_in_total():
     assert gate.streams == 0 and not gate.by_peer
 
 
+def test_a_stream_refused_for_want_of_a_slot_drains_its_request_before_closing():
+    """Closing a socket with the caller's request unread can make p2pd reset the stream before the caller read
+    the refusal (CI 2026-12-03: 1 of 119 slot refusals unanswered): the refusal drains it first, at most
+    max_lingering streams at once; beyond that the stream is closed at once (counted)."""
+    gate = InboundGate(InboundLimits(max_streams=1, max_lingering=1))
+    on_stream = stream_handler(gate, "t", echo, max_request_bytes=1 << 20)
+
+    async def refused():
+        reader = asyncio.StreamReader()
+        reader.feed_data(frame(b"x" * 1000))  # the caller's request, still unread when we refuse
+        writer = RecordingWriter()
+        task = asyncio.ensure_future(on_stream(PeerInfo("late"), reader, writer))
+        return task, reader, writer
+
+    async def go():
+        with gate.stream("holder"):  # the only slot is taken
+            first, r1, w1 = await refused()
+            await asyncio.sleep(0.05)
+            second, r2, w2 = await refused()  # max_lingering = 1 is draining already
+            await second
+            assert w2.code() == "RATE_LIMITED" and w2.closed and len(r2._buffer) > 0  # closed at once, unread
+            assert not first.done() and len(r1._buffer) == 0  # read and discarded, waiting for the caller's EOF
+            r1.feed_eof()  # the caller read the refusal and hung up
+            await first
+            assert w1.code() == "RATE_LIMITED" and w1.closed
+        return gate
+
+    gate = asyncio.run(go())
+    assert gate.lingering == 0 and gate.stats.unlingered == 1 and gate.stats.streams_refused == 2
+
+
 def test_bounded_executor_refuses_beyond_its_queue():
     ex = BoundedExecutor(workers=1, queue=1)
 
