@@ -4,12 +4,13 @@ Rewards are right in every batch here (recomputed anyway), so only the logprob a
 (coordinator/audit.py) can catch them. mallory's keys are new, so every batch of hers is audited: at
 ingest on the shadow model when she claims an older version, or on the learner's own forward pass
 (verdict after the ack, before any gradient) when she claims the current one.
-She claims the versions named in her lease grants: a claim older than max_staleness is not audited at
-all (the learner drops such batches unread), which would prove nothing here. She waits until the version of
-her last grant is published (`published()`): the learner's version can be a step ahead of the pointer, and a
-batch claiming it before then is refused FUTURE_VERSION before any audit (CI run r3 of 2026-12-03). Her leases
-are renewed while she works (`mallory.leased`), as a volunteer's are, so a slow machine cannot turn an audit
-verdict into UNKNOWN_LEASE.
+A claim older than max_staleness (16 here) is not audited at all (the learner drops such batches unread),
+which would prove nothing here; a claim of a version not yet published is refused FUTURE_VERSION before any
+audit (CI run r3 of 2026-12-03). So she claims the newest version she holds once it is at least her lease
+grant's (`published()`): published, and as fresh as any version she could name. Her leases are renewed
+while she works (`mallory.leased`), as a volunteer's are, so a slow machine cannot turn an audit verdict into
+UNKNOWN_LEASE; and she names her version only after the slow part (following, loading an engine), because a
+claim named before it went stale under load (CI run s3 of 2026-12-03: ACCEPTED, audit "stale").
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.integration
 
 
 def published(mallory):
-    """Her newest adapter, once it is at least the version of her last lease grant (which she claims)."""
+    """Her newest adapter, once it is at least the version of her last lease grant (she claims its version)."""
     return mallory.follow(at_least=mallory.coordinator_version)
 
 
@@ -41,7 +42,7 @@ def test_fabricated_logprobs(mallory, attack):
             current = published(mallory)
             groups = replace_completions(mallory.generate(leases, current), lambda c: messages.Completion(
                 c.token_ids, np.asarray(make(len(c.token_ids) // 4), dtype="<f4").tobytes(), c.reward, c.finish_reason))
-            sealed = mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.coordinator_version)))
+            sealed = mallory.seal(ident, messages.encode(mallory.batch(groups, current.version)))
             code = mallory.final_code(sealed)
         rec.saw(code)
         assert code == "LOGPROB_MISMATCH"
@@ -53,7 +54,7 @@ def test_fabricated_completions(mallory, attack):
 
     ident = Identity.generate()
     with mallory.leased(ident, 1) as leases:
-        published(mallory)  # hold the current adapter (the audit compares against it)
+        current = published(mallory)  # hold the current adapter (the audit compares against it)
         tok = mallory.engine.tokenizer
         groups = []
         for lease in leases:
@@ -62,7 +63,7 @@ def test_fabricated_completions(mallory, attack):
             comps = tuple(completion(ids, [-0.01] * len(ids), reward) for _ in range(lease.group_size))
             groups.append(messages.RolloutGroup(lease_id=lease.lease_id, prompt_id=lease.prompt_id,
                                                 prompt_token_ids=lease.prompt_token_ids, completions=comps))
-        sealed = mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.coordinator_version)))
+        sealed = mallory.seal(ident, messages.encode(mallory.batch(groups, current.version)))
         code = mallory.final_code(sealed)
     rec.saw(code)
     assert code == "LOGPROB_MISMATCH"
@@ -71,13 +72,13 @@ def test_fabricated_completions(mallory, attack):
 def test_completions_from_another_adapter_version(mallory, swarm, attack):
     rec = attack("wrong adapter version", "generated with an old version but claimed current; and the reverse")
     oldest = min(mallory.adapters)
-    current = mallory.follow(at_least=oldest + 3)  # let the policy move on from what she kept
+    current = mallory.follow(at_least=max(oldest + 3, 8))  # let the policy move on from what she kept
     # (a) old tokens and logprobs, claimed as the current version (dodging the staleness bound)
     ident = Identity.generate()
     with mallory.leased(ident, 1) as leases:
         current = published(mallory)
         groups = mallory.generate(leases, mallory.adapters[oldest])
-        sealed = mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.coordinator_version)))
+        sealed = mallory.seal(ident, messages.encode(mallory.batch(groups, current.version)))
         code = mallory.final_code(sealed)
     rec.saw(code)
     assert code == "LOGPROB_MISMATCH"
@@ -88,8 +89,7 @@ def test_completions_from_another_adapter_version(mallory, swarm, attack):
     with mallory.leased(ident, 1) as leases:
         current = published(mallory)
         groups = mallory.generate(leases, current)
-        cv = mallory.coordinator_version  # claim whichever end of the held window is farther from her version
-        claim = max((max(0, cv - 10), cv), key=lambda c: abs(c - current.version))
+        claim = current.version - 8  # held (8 < max_staleness 16), far from hers, and 8 steps of margin
         code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, claim))))
     rec.saw(code)
     assert code == "LOGPROB_MISMATCH"
@@ -106,7 +106,7 @@ def test_completions_from_another_base_model(mallory, attack):
         other = tinymodel.write_tiny_model(tinymodel.default_tiny_model_dir().with_name("tiny-other-base"), seed=1)
         engine = TransformersEngine(str(other), current.manifest.lora, seed=3)
         groups = mallory.generate(leases, current, engine=engine)
-        sealed = mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.coordinator_version)))
+        sealed = mallory.seal(ident, messages.encode(mallory.batch(groups, current.version)))
         code = mallory.final_code(sealed)
     rec.saw(code)
     assert code == "LOGPROB_MISMATCH"
