@@ -192,8 +192,10 @@ def stream_handler(gate: InboundGate, name: str, handler: Handler, *, max_reques
                 if not read:
                     await _linger(reader)
         except ProtocolError as exc:  # no stream slot: answer without reading the request, then drain it
-            try:             # (bounded) — closing on unread bytes can make p2pd reset the stream before the
-                writer.write(_error_frame(exc))  # caller read the refusal (CI 2026-12-03: 1 of 119 unanswered)
+            # (bounded): closing on unread bytes can make p2pd reset the stream before the caller read the
+            # refusal (CI 2026-12-03: 1 of 119 unanswered)
+            try:
+                writer.write(_error_frame(exc))
                 await asyncio.wait_for(writer.drain(), 2.0)
                 with gate.linger_slot() as ok:
                     if ok:

@@ -313,14 +313,11 @@ class Mallory:
 
     def renew(self, ident: Identity, lease_ids: list[str], node=None) -> dict[str, float]:
         """One renewal-only lease request as `ident`: seconds left per lease id (0 = gone)."""
-        req = messages.LeaseRequest(run_id=RUN_ID, max_prompts=0, adapter_version=0, client_name="mallory",
-                                    renew=tuple(lease_ids))
-        sealed = envelope.seal(ident, "lease_request", messages.encode(req), audience=self.swarm.coordinator_key)
-        grant = messages.decode(self.call("lease", sealed, node), messages.LeaseGrant, max_bytes=4 << 20)
-        return {r.lease_id: r.expires_in_s for r in grant.renewed}
+        return {r.lease_id: r.expires_in_s for r in self.lease_once(ident, 0, node, renew=lease_ids).renewed}
 
-    def lease_once(self, ident: Identity, n: int = 1, node=None) -> messages.LeaseGrant:
-        req = messages.LeaseRequest(run_id=RUN_ID, max_prompts=n, adapter_version=0, client_name="mallory")
+    def lease_once(self, ident: Identity, n: int = 1, node=None, renew=()) -> messages.LeaseGrant:
+        req = messages.LeaseRequest(run_id=RUN_ID, max_prompts=n, adapter_version=0, client_name="mallory",
+                                    renew=tuple(renew))
         sealed = envelope.seal(ident, "lease_request", messages.encode(req), audience=self.swarm.coordinator_key)
         return messages.decode(self.call("lease", sealed, node), messages.LeaseGrant, max_bytes=4 << 20)
 
