@@ -38,7 +38,9 @@ SERVE_NEW_BPS, SERVE_NEW_PEER_BPS, SERVE_BURST = 256 * 1024, 128 * 1024, 4 * MiB
 # Leases last 30 s (honest volunteers renew theirs): every attack that dies before its leases are known (a payload
 # that does not decode) pins them, and fresh keys share new_key_share of the room together, so with the 60 s default
 # the suite's later fresh keys waited up to a minute per lease (a CI run timed out test_repeat_offender_is_banned).
-COORDINATOR_FLAGS = ["--run-id", RUN_ID, "--max-steps", "0", "--threads", "1", "--groups-per-step", "8", "--max-staleness", "16",
+MAX_STALENESS = 16  # versions a claim may lag the learner's and still be trained (and audited)
+COORDINATOR_FLAGS = ["--run-id", RUN_ID, "--max-steps", "0", "--threads", "1", "--groups-per-step", "8",
+                     "--max-staleness", str(MAX_STALENESS),
                      "--max-wait-s", "2", "--max-inflight-groups", "32", "--lease-timeout-s", "30", "--checkpoint-every", "0",
                      "--no-dashboard",
                      "--identity-rate", "40", "--identity-burst", "80", "--peer-rate", "80", "--peer-burst", "160",
@@ -138,6 +140,13 @@ class Swarm:
                 return "ACCEPTED"
             return None
         return wait_for(final, timeout, f"the coordinator's verdict on batch {hexid[:12]}", interval=0.5)
+
+    def explain(self, batch_id: bytes) -> str:
+        """What the coordinator recorded about a batch (for a failing assertion's message): its verdicts,
+        the learner's version now and the audit statistics."""
+        trust = self.trust()
+        entries = [v for v in trust.get("verdicts", []) if v["batch_id"] == batch_id.hex()]
+        return f"verdicts={entries} learner_version={self.current_version()} audit={trust.get('audit')}"
 
     def current_version(self) -> int:
         metrics = self.run / "metrics.jsonl"

@@ -6,11 +6,12 @@ ingest on the shadow model when she claims an older version, or on the learner's
 (verdict after the ack, before any gradient) when she claims the current one.
 A claim older than max_staleness (16 here) is not audited at all (the learner drops such batches unread),
 which would prove nothing here; a claim of a version not yet published is refused FUTURE_VERSION before any
-audit (CI run r3 of 2026-12-03). So she claims the newest version she holds once it is at least her lease
-grant's (`published()`): published, and as fresh as any version she could name. Her leases are renewed
+audit (CI run r3 of 2026-12-03). So she generates with a published adapter she holds (`published()`) and
+claims the learner's newest published version, read from the run's metrics right before she seals: the
+learner publishes about a version a second here, so a claim named before the slow part (following, loading
+an engine, generating) went stale under load (CI runs s3 and on 6db31f3: ACCEPTED). Her leases are renewed
 while she works (`mallory.leased`), as a volunteer's are, so a slow machine cannot turn an audit verdict into
-UNKNOWN_LEASE; and she names her version only after the slow part (following, loading an engine), because a
-claim named before it went stale under load (CI run s3 of 2026-12-03: ACCEPTED, audit "stale").
+UNKNOWN_LEASE.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pytest
 from asyncrl.protocol import messages
 from asyncrl.protocol.identity import Identity
 
-from tests.adversarial.swarm import completion, replace_completions
+from tests.adversarial.swarm import MAX_STALENESS, batch_id_of, completion, replace_completions
 
 pytestmark = pytest.mark.integration
 
@@ -42,10 +43,10 @@ def test_fabricated_logprobs(mallory, attack):
             current = published(mallory)
             groups = replace_completions(mallory.generate(leases, current), lambda c: messages.Completion(
                 c.token_ids, np.asarray(make(len(c.token_ids) // 4), dtype="<f4").tobytes(), c.reward, c.finish_reason))
-            sealed = mallory.seal(ident, messages.encode(mallory.batch(groups, current.version)))
+            sealed = mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.swarm.current_version())))
             code = mallory.final_code(sealed)
         rec.saw(code)
-        assert code == "LOGPROB_MISMATCH"
+        assert code == "LOGPROB_MISMATCH", mallory.swarm.explain(batch_id_of(sealed))
 
 
 def test_fabricated_completions(mallory, attack):
@@ -63,36 +64,50 @@ def test_fabricated_completions(mallory, attack):
             comps = tuple(completion(ids, [-0.01] * len(ids), reward) for _ in range(lease.group_size))
             groups.append(messages.RolloutGroup(lease_id=lease.lease_id, prompt_id=lease.prompt_id,
                                                 prompt_token_ids=lease.prompt_token_ids, completions=comps))
-        sealed = mallory.seal(ident, messages.encode(mallory.batch(groups, current.version)))
+        sealed = mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.swarm.current_version())))
         code = mallory.final_code(sealed)
     rec.saw(code)
-    assert code == "LOGPROB_MISMATCH"
+    assert code == "LOGPROB_MISMATCH", mallory.swarm.explain(batch_id_of(sealed))
 
 
 def test_completions_from_another_adapter_version(mallory, swarm, attack):
     rec = attack("wrong adapter version", "generated with an old version but claimed current; and the reverse")
     oldest = min(mallory.adapters)
-    current = mallory.follow(at_least=max(oldest + 3, 8))  # let the policy move on from what she kept
+    mallory.follow(at_least=max(oldest + 3, 8))  # let the policy move on from what she kept
     # (a) old tokens and logprobs, claimed as the current version (dodging the staleness bound)
     ident = Identity.generate()
     with mallory.leased(ident, 1) as leases:
-        current = published(mallory)
         groups = mallory.generate(leases, mallory.adapters[oldest])
-        sealed = mallory.seal(ident, messages.encode(mallory.batch(groups, current.version)))
+        sealed = mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.swarm.current_version())))
         code = mallory.final_code(sealed)
     rec.saw(code)
-    assert code == "LOGPROB_MISMATCH"
+    assert code == "LOGPROB_MISMATCH", mallory.swarm.explain(batch_id_of(sealed))
     # (b) her newest tokens, claimed as another version that is still held (max_staleness is 16 here).
     # Far apart: late in training adjacent versions can be closer than the tolerance — and
     # then the claim is also harmless (docs/SECURITY.md); the calibration covers 1-4 apart early on.
     ident = Identity.generate()
     with mallory.leased(ident, 1) as leases:
-        current = published(mallory)
-        groups = mallory.generate(leases, current)
-        claim = current.version - 8  # held (8 < max_staleness 16), far from hers, and 8 steps of margin
-        code = mallory.final_code(mallory.seal(ident, messages.encode(mallory.batch(groups, claim))))
+        mine = published(mallory)
+        groups = mallory.generate(leases, mine)
+        claim = far_held_version(swarm, mine.version)
+        sealed = mallory.seal(ident, messages.encode(mallory.batch(groups, claim)))
+        code = mallory.final_code(sealed)
     rec.saw(code)
-    assert code == "LOGPROB_MISMATCH"
+    assert code == "LOGPROB_MISMATCH", f"hers v{mine.version}, claimed v{claim}: {swarm.explain(batch_id_of(sealed))}"
+
+
+def far_held_version(swarm, mine: int) -> int:
+    """The version farthest from `mine` among those the coordinator will still hold when her batch arrives.
+
+    Chosen from the learner's version read just before sealing, not from the version she generated with:
+    the learner publishes about a version a second here, so a claim fixed before generating (mine - 8)
+    went stale under load while she generated (CI on 6db31f3: ACCEPTED). A window of max_staleness - 6
+    leaves six versions for sealing and submitting; at least 5 apart inside it whatever `mine` is."""
+    now = swarm.current_version()
+    held = range(max(1, now - (MAX_STALENESS - 6)), now + 1)
+    claim = max(held, key=lambda v: abs(v - mine))
+    assert abs(claim - mine) >= 5, (mine, now)
+    return claim
 
 
 def test_completions_from_another_base_model(mallory, attack):
@@ -106,7 +121,7 @@ def test_completions_from_another_base_model(mallory, attack):
         other = tinymodel.write_tiny_model(tinymodel.default_tiny_model_dir().with_name("tiny-other-base"), seed=1)
         engine = TransformersEngine(str(other), current.manifest.lora, seed=3)
         groups = mallory.generate(leases, current, engine=engine)
-        sealed = mallory.seal(ident, messages.encode(mallory.batch(groups, current.version)))
+        sealed = mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.swarm.current_version())))
         code = mallory.final_code(sealed)
     rec.saw(code)
-    assert code == "LOGPROB_MISMATCH"
+    assert code == "LOGPROB_MISMATCH", mallory.swarm.explain(batch_id_of(sealed))
