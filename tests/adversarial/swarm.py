@@ -10,6 +10,7 @@ internet. Results go to tests/artifacts/adversarial.json (rendered into docs/SEC
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import json
@@ -187,6 +188,7 @@ class Mallory:
         self.engine = None
         self.identity = Identity.generate()
         self.coordinator_version = 0  # the learner's version as of her last lease grant
+        self.follow_warnings: collections.deque = collections.deque(maxlen=8)  # (time, her follower's warning)
 
     # ---- tools ----------------------------------------------------------------------------------
     def new_node(self):
@@ -262,12 +264,19 @@ class Mallory:
         again while the lease she holds runs out."""
         if not self._following:
             self._following = True
-            self.sync.start_following(poll_s=0.2)
+            self.sync.start_following(poll_s=0.2, out=lambda m: self.follow_warnings.append((round(time.time(), 1), m)))
 
         def newest():
             cur = self.sync.current
             return cur if cur is not None and cur.version >= at_least else None
-        current = wait_for(newest, timeout, f"adapter version >= {at_least}", interval=0.2)
+        try:
+            current = wait_for(newest, timeout, f"adapter version >= {at_least}", interval=0.2)
+        except AssertionError as exc:  # say where her follower stands (CI run t4 of 2026-12-03: no clue left)
+            cur = self.sync.current
+            raise AssertionError(f"{exc}: she holds v{cur.version if cur else None}, the learner published "
+                                 f"v{self.swarm.current_version()}, follower errors {self.sync.errors}, fetch "
+                                 f"{self.sync.fetcher.stats.as_dict()}, last warnings "
+                                 f"{list(self.follow_warnings)} (now {time.time():.1f})") from None
         self.adapters[current.version] = current
         self._engine(current)
         return current
