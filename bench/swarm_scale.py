@@ -6,7 +6,8 @@ One real coordinator (`asyncrl-coordinator run`: learner on the built-in tiny mo
 LeaseDesk, Ingest, ProviderDesk, presence tracker; `--no-audit`, because the volunteers' logprobs are
 made up) and N real volunteers (`python -m bench.swarmlab volunteer`: the real client — lease loop with
 the coordinator's retry-after, outbox, upload, presence, adapter follow/fetch/re-serve — around a
-scripted engine that returns random tokens with honest rewards instead of generating). Every peer is
+scripted engine that returns random tokens with honest rewards after `--gen-s` seconds (5 by default; a
+real volunteer's batch takes tens of seconds) instead of generating). Every peer is
 its own process with its own hivemind DHT and p2pd, on 127.0.0.1. The tiny adapter is cut into 4 KiB
 chunks (`--chunk-bytes 4096`) so that a version spans many chunks and the fan-out is exercised.
 
@@ -126,11 +127,15 @@ def one_size(n: int, args, work: Path) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     coord = Coordinator(work / "run", work, ["--publish-every", str(args.publish_every)])
     vols: list[Proc] = []
+    restarts: list[str] = []
     try:
         join = coord.join()
+
+        def start(i: int) -> Proc:
+            return Proc(f"v{i}", ["volunteer", join, "--data-dir", str(work / f"v{i}"), "--name", f"v{i}",
+                                  "--seed", str(i), "--gen-s", str(args.gen_s)], work)
         for i in range(n):
-            vols.append(Proc(f"v{i}", ["volunteer", join, "--data-dir", str(work / f"v{i}"), "--name", f"v{i}",
-                                       "--seed", str(i)], work))
+            vols.append(start(i))
             time.sleep(args.stagger_s)  # the first-contact brake admits new keys at ~1/s after a burst of 20
         sampler = MemorySampler([coord.p.pid, *(v.p.pid for v in vols)])
         deadline = time.time() + args.setup_timeout_s
@@ -140,6 +145,12 @@ def one_size(n: int, args, work: Path) -> dict:
                 break
             if time.time() > deadline:
                 raise TimeoutError(f"only {sum(a >= 1 for a in acked)}/{n} volunteers had a batch accepted")
+            for i, v in enumerate(vols):  # one that exited during start-up is started again, as its owner would
+                if v.p.poll() is not None and acked[i] < 1 and len(restarts) < n:
+                    last = [line for line in (work / f"v{i}.log").read_text().splitlines() if line.strip()][-1:]
+                    restarts.append(f"v{i} exit {v.p.returncode}: {last[0][:200] if last else ''}")
+                    (work / f"v{i}.log").rename(work / f"v{i}.exit{len(restarts)}.log")
+                    vols[i] = start(i)
             time.sleep(1.0)
         t0 = time.time()
         cpu0 = cpu_seconds({coord.p.pid: "coordinator"})
@@ -173,7 +184,8 @@ def one_size(n: int, args, work: Path) -> dict:
     idle_vols = [x for x in idle if x > 0]
     tracker = summary.get("presence_reads", {})
     return {
-        "volunteers": n, "window_s": round(t1 - t0, 1), "versions_in_window": len(publishes),
+        "volunteers": n, "restarted_during_setup": restarts, "window_s": round(t1 - t0, 1),
+        "versions_in_window": len(publishes),
         "versions_measured": len(t95s),
         "uplink_ratio": round(sent / compressed, 3) if compressed else None,
         "t95_s": round(statistics.median(t95s), 3) if t95s else None,
@@ -215,7 +227,8 @@ def run(args) -> dict:
                  "presence_32_le_1.5x_8": b["presence_bytes_per_min"] <= 1.5 * max(a["presence_bytes_per_min"], 1e-9),
                  "idle_lease_requests_le_6": b["idle_lease_requests_per_min"] <= 6 and a["idle_lease_requests_per_min"] <= 6}
     return {**out, "goals": goals, "sizes": sizes,
-            "settings": {"window_s": args.window_s, "publish_every": args.publish_every, "chunk_bytes": 4096},
+            "settings": {"window_s": args.window_s, "publish_every": args.publish_every, "chunk_bytes": 4096,
+                         "gen_s": args.gen_s},
             **provenance()}
 
 
@@ -226,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settle-s", type=float, default=15.0, help="versions published this close to the end are not timed")
     p.add_argument("--publish-every", type=int, default=4, help="the coordinator's --publish-every")
     p.add_argument("--stagger-s", type=float, default=0.5, help="between volunteer starts")
+    p.add_argument("--gen-s", type=float, default=5.0,
+                   help="seconds each volunteer's scripted generation takes per batch (a real one takes tens of "
+                        "seconds; 0 = as fast as the client loop goes, which on 2 cores measures the machine at N = 32)")
     p.add_argument("--setup-timeout-s", type=float, default=600.0)
     p.add_argument("--work-dir", default=None)
     p.add_argument("--keep-work-dir", action="store_true")

@@ -226,9 +226,10 @@ def run_follower(args, server_cls=None) -> int:
 
 
 class ScriptedEngine:
-    """The Engine interface (client/engine.py) without a model: random completion tokens, logprobs made up."""
+    """The Engine interface (client/engine.py) without a model: random completion tokens, logprobs made up.
+    `gen_s`: seconds each generate() call takes (a stand-in for the model's time; 0 = answer at once)."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, gen_s: float = 0.0):
         import random
 
         from asyncrl.models import tinymodel
@@ -237,6 +238,8 @@ class ScriptedEngine:
         self.rng = random.Random(seed)
         self.version: int | None = None
         self.loaded = 0
+        self.gen_s = gen_s
+        self.stop_token_ids: tuple[int, ...] = ()  # the pinned stop set, from the first manifest (run_volunteer)
 
     def load_adapter(self, version: int, specs, blobs: dict[str, bytes]) -> None:
         self.version, self.loaded = version, self.loaded + 1
@@ -244,15 +247,30 @@ class ScriptedEngine:
     def generate(self, prompts, group_size: int, sampling):
         from asyncrl.client.engine import Sample
 
+        if self.gen_s > 0:
+            time.sleep(self.gen_s)
         vocab = len(self.tokenizer) - 1
+        stops = set(self.stop_token_ids)
         out = []
         for _ in prompts:
             group = []
             for _ in range(group_size):
-                ids = [self.rng.randint(1, vocab) for _ in range(self.rng.randint(1, sampling.max_new_tokens))]
-                group.append(Sample(ids, [-0.5] * len(ids), "length"))
+                # what an engine that follows the manifest produces (protocol/messages.py derive_finish_reason):
+                # no stop token before the end; ended early only on a stop token ("stop"), else full length
+                n = self.rng.randint(1, sampling.max_new_tokens) if stops else sampling.max_new_tokens
+                ids = [self._non_stop(vocab, stops) for _ in range(n)]
+                finish = "length"
+                if n < sampling.max_new_tokens:
+                    ids[-1], finish = min(stops), "stop"
+                group.append(Sample(ids, [-0.5] * len(ids), finish))
             out.append(group)
         return out
+
+    def _non_stop(self, vocab: int, stops: set[int]) -> int:
+        while True:
+            token = self.rng.randint(1, vocab)
+            if token not in stops:
+                return token
 
 
 def run_volunteer(args) -> int:
@@ -267,13 +285,16 @@ def run_volunteer(args) -> int:
                           display="quiet", prompts_per_batch=args.prompts_per_batch, host=args.host,
                           coordinator=args.coordinator)
     vol = LabVolunteer(cfg, out=lambda m: emit("info", message=m))
-    vol.engine = ScriptedEngine(seed=args.seed)
+    vol.engine = ScriptedEngine(seed=args.seed, gen_s=args.gen_s)
     vol.model_name = "scripted"
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: (stop.set(), vol.stop.set()))
     vol.connect()
     emit("joined", name=args.name, peer_id=vol.node.peer_id, run_id=vol.run_id)
     current = vol.wait_for_adapter(timeout=300)
+    from asyncrl.models.pinning import pin_of
+
+    vol.engine.stop_token_ids = tuple(pin_of(current.manifest).stop_token_ids)  # ingest re-derives finish reasons
     vol._load(current)
     vol.run()
     vol.shutdown()
@@ -320,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     vol.add_argument("--host", default="127.0.0.1")
     vol.add_argument("--prompts-per-batch", type=int, default=4)
     vol.add_argument("--seed", type=int, default=0)
+    vol.add_argument("--gen-s", type=float, default=0.0,
+                     help="seconds each batch's generation takes (the scripted engine sleeps; 0 = at once)")
     return p
 
 
