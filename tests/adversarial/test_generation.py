@@ -30,7 +30,8 @@ pytestmark = pytest.mark.integration
 
 
 def published(mallory):
-    """Her newest adapter, once it is at least the version of her last lease grant (she claims its version)."""
+    """Her newest adapter, once it is at least the version of her last lease grant: published, and as fresh as
+    the work she was leased (what she generates with; her claims are read from the run right before sealing)."""
     return mallory.follow(at_least=mallory.coordinator_version)
 
 
@@ -55,7 +56,7 @@ def test_fabricated_completions(mallory, attack):
 
     ident = Identity.generate()
     with mallory.leased(ident, 1) as leases:
-        current = published(mallory)  # hold the current adapter (the audit compares against it)
+        published(mallory)  # her engine loaded (its tokenizer writes the answers)
         tok = mallory.engine.tokenizer
         groups = []
         for lease in leases:
