@@ -18,7 +18,8 @@ Per N, after every volunteer has had a batch accepted, over a window of `--windo
                              the volunteers hold it or a newer one (newest wins: they skip versions);
                              median over the window's versions
   presence_bytes_per_min     DHT bytes each volunteer reads per minute for presence and fetch sources
-                             (volunteers read no presence shard; the signed providers record is all)
+                             (volunteers read no presence shard; the signed providers record is all),
+                             split into providers_reads_per_min x providers_bytes_per_read
   cpu_s_per_batch            CPU seconds of the coordinator's processes (main, DHT, p2pd) per accepted batch
   idle_lease_requests_per_min  empty lease grants per idle volunteer per minute (idle = got one in the window)
 and the coordinator's own presence reading (bytes and records per minute), for docs/scale.md.
@@ -178,8 +179,11 @@ def one_size(n: int, args, work: Path) -> dict:
     compressed = sum(e["compressed_bytes"] for e in publishes)
     batches = [e for e in coord.events("batch") if t0 <= e["t"] <= t1]
     cpu = sum(cpu1.values()) - sum(cpu0.get(k, 0.0) for k in cpu1)
-    providers_bytes = [(after[i].get("swarm") or {}).get("providers", {}).get("bytes", 0)
-                       - (before[i].get("swarm") or {}).get("providers", {}).get("bytes", 0) for i in range(n)]
+    def providers(i: int, what: str) -> int:
+        return ((after[i].get("swarm") or {}).get("providers", {}).get(what, 0)
+                - (before[i].get("swarm") or {}).get("providers", {}).get(what, 0))
+    providers_bytes = [providers(i, "bytes") for i in range(n)]
+    providers_reads = [providers(i, "reads") for i in range(n)]
     idle = [after[i].get("idle_lease_requests", 0) - before[i].get("idle_lease_requests", 0) for i in range(n)]
     idle_vols = [x for x in idle if x > 0]
     tracker = summary.get("presence_reads", {})
@@ -191,6 +195,8 @@ def one_size(n: int, args, work: Path) -> dict:
         "t95_s": round(statistics.median(t95s), 3) if t95s else None,
         "t95_p90_s": round(sorted(t95s)[int(0.9 * (len(t95s) - 1))], 3) if t95s else None,
         "presence_bytes_per_min": round(statistics.mean(providers_bytes) / minutes, 1),
+        "providers_reads_per_min": round(statistics.mean(providers_reads) / minutes, 1),  # the split of the above
+        "providers_bytes_per_read": round(sum(providers_bytes) / max(1, sum(providers_reads)), 1),
         "cpu_s_per_batch": round(cpu / len(batches), 4) if batches else None,
         "batches_in_window": len(batches),
         "idle_lease_requests_per_min": round(statistics.mean(idle_vols) / minutes, 2) if idle_vols else 0.0,

@@ -53,6 +53,8 @@ PROBE_BACKOFF_MAX_S = 600.0
 REPROBE_S = 300.0
 """A vouched peer is probed again after this long (it may have gone away behind a live presence record)."""
 ISSUE_EVERY_S = 5.0
+ENSURE_READS = 3
+"""Reads of the record a volunteer spends on one new version's seeders (ProvidersCache.ensure)."""
 MIN_SEED_BPS = 1 << 20
 """Peers capped below this upload rate (bytes/s) are not made seeders (they would hold everyone up)."""
 MAX_PUSH_TARGETS = 128
@@ -237,6 +239,7 @@ class ProvidersCache:
         self.reads = 0
         self.bytes_read = 0
         self.errors = 0
+        self._ensuring, self._ensure_reads = -1, 0  # the version `ensure` last read for, and its reads so far
 
     def refresh(self) -> swarm.ProvidersRecord | None:
         self.read_at = self._clock()
@@ -261,12 +264,22 @@ class ProvidersCache:
         if self._clock() - self.read_at >= self.max_age_s:
             self.refresh()
 
-    def ensure(self, version: int, attempts: int = 3, pause_s: float = 0.3) -> None:
+    def ensure(self, version: int, attempts: int = ENSURE_READS, pause_s: float = 0.3) -> None:
         """Make sure the record is for `version` or newer if the coordinator has issued one (it stores the
-        record before the pointer, so one read normally suffices)."""
-        for i in range(attempts):
+        record before the pointer, so one read normally suffices).
+
+        At most `attempts` reads per version, however often it is asked: the follower asks again after every
+        failed fetch, and under load (bench/swarm_scale.py at N = 32, 2026-12-02) those retries made a
+        volunteer read the record ~50 times a minute instead of ~10. A record that is late beyond that is
+        picked up by `maybe_refresh` (every `max_age_s`); until then the fetch plans with the one held."""
+        if version != self._ensuring:
+            self._ensuring, self._ensure_reads = version, 0
+        first = True
+        while self._ensure_reads < attempts:
             if self.record is not None and self.record.version >= version:
                 return
-            if i:
+            if not first:
                 time.sleep(pause_s)
+            first = False
+            self._ensure_reads += 1
             self.refresh()

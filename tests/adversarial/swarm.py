@@ -274,12 +274,26 @@ class Mallory:
         except AssertionError as exc:  # say where her follower stands (CI run t4 of 2026-12-03: no clue left)
             cur = self.sync.current
             raise AssertionError(f"{exc}: she holds v{cur.version if cur else None}, the learner published "
-                                 f"v{self.swarm.current_version()}, follower errors {self.sync.errors}, fetch "
-                                 f"{self.sync.fetcher.stats.as_dict()}, last warnings "
-                                 f"{list(self.follow_warnings)} (now {time.time():.1f})") from None
+                                 f"v{self.swarm.current_version()}, the DHT gives her pointer "
+                                 f"{self._dht_pointer()}, follower alive {self.sync._follower.is_alive()}, "
+                                 f"errors {self.sync.errors}, fetch {self.sync.fetcher.stats.as_dict()}, last "
+                                 f"warnings {list(self.follow_warnings)} (now {time.time():.1f})") from None
         self.adapters[current.version] = current
         self._engine(current)
         return current
+
+    def _dht_pointer(self) -> str:
+        """The pointer version a DHT read returns her now (a diagnostic: stale, absent, or the error)."""
+        from asyncrl.protocol import swarm as records
+
+        try:
+            raw = self.node.get(records.pointer_key(RUN_ID, self.swarm.coordinator_peer))
+            if not isinstance(raw, bytes):
+                return f"absent ({type(raw).__name__})"
+            pointer, _ = records.check_pointer(raw, coordinator_key=self.swarm.coordinator_key, run_id=RUN_ID)
+            return f"v{pointer.version}"
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
 
     def _engine(self, adapter):
         if self.engine is None:

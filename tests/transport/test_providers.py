@@ -181,3 +181,32 @@ def test_the_cache_keeps_the_newest_verified_record_and_refuses_forgeries():
     node.stored[key] = swarm.seal_providers(COORD, good)
     cache.ensure(2)
     assert cache.record == good and cache.bytes_read > 0
+
+
+def test_a_late_record_costs_a_bounded_number_of_reads_per_version():
+    """The follower calls `ensure` again after every failed fetch; a DHT still holding the previous record
+    must not turn each retry into more reads (bench/swarm_scale.py at N = 32: ~50 reads a minute)."""
+    from asyncrl.swarm.providers import ENSURE_READS
+
+    node = ScriptedSwarm()
+    key = swarm.providers_key(RUN, COORD.peer_id)
+    now = [100.0]
+    cache = ProvidersCache(node, RUN, COORD.peer_id, COORD.public_key, max_age_s=10.0, clock=lambda: now[0])
+    node.stored[key] = swarm.seal_providers(COORD, swarm.ProvidersRecord(
+        run_id=RUN, version=4, issued_at=time.time(), seeders=(), holders=()))
+    for _ in range(20):  # twenty failed fetches of v5 while the DHT still answers with v4's record
+        cache.ensure(5, pause_s=0.0)
+        cache.maybe_refresh()
+    assert cache.reads == ENSURE_READS and cache.record.version == 4
+    cache.ensure(6, pause_s=0.0)  # the next version has a budget of its own
+    assert cache.reads == 2 * ENSURE_READS
+    node.stored[key] = swarm.seal_providers(COORD, swarm.ProvidersRecord(
+        run_id=RUN, version=6, issued_at=time.time() + 1, seeders=(), holders=()))
+    cache.ensure(6, pause_s=0.0)
+    assert cache.reads == 2 * ENSURE_READS and cache.record.version == 4  # budget spent: no read
+    now[0] += 10.0
+    cache.maybe_refresh()  # the periodic read picks the late record up
+    assert cache.reads == 2 * ENSURE_READS + 1 and cache.record.version == 6
+    cache.ensure(7, pause_s=0.0)
+    cache.ensure(6, pause_s=0.0)  # an older version than the record: nothing to read
+    assert cache.reads == 2 * ENSURE_READS + 1 + ENSURE_READS
