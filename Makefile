@@ -40,8 +40,10 @@ browser:
 clean-venv:
 	rm -rf $(VENV)
 
-# The WAN benchmark builds network namespaces (bench/broadcast_wan.py, bench/netlab.py):
-# iproute2 (ip, tc), iptables (NAT, NFQUEUE) and nftables.
+# The NAT test and the WAN benchmark build network namespaces (tests/integration/test_nat.py,
+# bench/broadcast_wan.py, bench/netlab.py): iproute2 (ip, tc), iptables (NAT, NFQUEUE, the conntrack table
+# in /proc/net/nf_conntrack) and nftables. Without them (or without root) the NAT test fails under CI=true
+# and skips loudly elsewhere.
 netlab:
 	@command -v ip >/dev/null && command -v tc >/dev/null && command -v iptables >/dev/null && command -v nft >/dev/null || { \
 	  $(SUDO) apt-get update -qq && \

@@ -1,5 +1,5 @@
 """Network lab: real Linux network namespaces, veth links, a NAT router and WAN-like links, for the NAT
-test (parked on branch i16-nat-parked: tests/integration/test_nat.py) and the WAN broadcast benchmark (bench/broadcast_wan.py).
+test (tests/integration/test_nat.py) and the WAN broadcast benchmark (bench/broadcast_wan.py).
 
 Owned by the swarm transport (docs/transport.md "NAT for real", docs/scale.md). Needs root (or
 CAP_NET_ADMIN) and `ip` (iproute2), `tc`, `iptables`; `make test` installs iptables/nftables.

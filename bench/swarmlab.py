@@ -212,10 +212,16 @@ def run_follower(args, server_cls=None) -> int:
             emit("peers", name=args.name, peers=peers)
         if time.time() - last_status > 0.5:
             last_status = time.time()
+            try:  # p2pd's view: each open connection's remote multiaddr (a relayed one ends in /p2p-circuit)
+                connections = node.connected_peers(timeout=2.0)
+            except Exception as exc:
+                connections = {"error": [f"{exc.__class__.__name__}: {exc}"]}
             write_json_atomic(data_dir / "status.json", {"name": args.name, "peer_id": node.peer_id, "maddrs": member.maddrs,
                                                   "held": held,
                                                   "peers": peers, "banned": sync.fetcher.banned,
-                                                  "relayed_dials": node.relayed_dials, **member.stats()})
+                                                  "relayed_dials": node.relayed_dials,
+                                                  "call_paths": {p: dict(a) for p, a in node.call_paths.items()},
+                                                  "connections": connections, **member.stats()})
         stop.wait(0.05)
     member.stop()
     node.shutdown()

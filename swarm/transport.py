@@ -217,6 +217,8 @@ async def _get_many(dht, node, keys: tuple[str, ...], latest: bool):
 
 
 RELAY_DIAL_TIMEOUT_S = 5.0
+CALL_PATHS_MAX_PEERS = 256  # SwarmNode.call_paths: peers remembered, addresses per peer
+CALL_PATHS_MAX_ADDRS = 8
 _PATCHED = False
 
 
@@ -310,6 +312,10 @@ class SwarmNode:
         # Relays to reach peers through when a direct dial fails (a NATed seeder has a reservation there).
         self.relays = tuple(trusted_relays or initial_peers) if use_relay else ()
         self.relayed_dials = 0
+        # The connection each outbound stream went over, as p2pd reports it (StreamInfo.addr, the connection's
+        # remote multiaddr: a relayed one ends in /p2p-circuit): peer id -> {address: streams}. Evidence of the
+        # path a fetch took (tests/integration/test_nat.py); bounded by CALL_PATHS_MAX_PEERS.
+        self.call_paths: dict[str, dict[str, int]] = {}
         self.dht = hivemind.DHT(initial_peers=list(initial_peers) or None, start=True, **kwargs)
         self.loops = LoopThread()
         self.p2p = self.loops.run(self.dht.replicate_p2p(), timeout=start_timeout)
@@ -344,11 +350,12 @@ class SwarmNode:
 
         peer = PeerID.from_base58(peer_id)
         try:
-            _, reader, writer = await self.p2p.call_binary_stream_handler(peer, name)
+            info, reader, writer = await self.p2p.call_binary_stream_handler(peer, name)
         except ControlFailure:
             if not await self._dial_via_relays(peer):
                 raise
-            _, reader, writer = await self.p2p.call_binary_stream_handler(peer, name)
+            info, reader, writer = await self.p2p.call_binary_stream_handler(peer, name)
+        self._note_path(peer_id, str(info.addr))
 
         async def send() -> None:
             writer.write(_frame(request))
@@ -378,6 +385,15 @@ class SwarmNode:
             except ValueError:
                 raise ProtocolError(RejectCode.INTERNAL, body.decode(errors="replace")) from None
         return body
+
+    def _note_path(self, peer_id: str, addr: str) -> None:
+        paths = self.call_paths.get(peer_id)
+        if paths is None:
+            if len(self.call_paths) >= CALL_PATHS_MAX_PEERS:
+                return
+            paths = self.call_paths[peer_id] = {}
+        if addr in paths or len(paths) < CALL_PATHS_MAX_ADDRS:
+            paths[addr] = paths.get(addr, 0) + 1
 
     async def _dial_via_relays(self, peer) -> bool:
         """Connect to `peer` through a circuit of one of our relays (a NATed peer reserved a slot there);
