@@ -179,6 +179,7 @@ def one_size(n: int, args, work: Path) -> dict:
     compressed = sum(e["compressed_bytes"] for e in publishes)
     batches = [e for e in coord.events("batch") if t0 <= e["t"] <= t1]
     cpu = sum(cpu1.values()) - sum(cpu0.get(k, 0.0) for k in cpu1)
+
     def providers(i: int, what: str) -> int:
         return ((after[i].get("swarm") or {}).get("providers", {}).get(what, 0)
                 - (before[i].get("swarm") or {}).get("providers", {}).get(what, 0))

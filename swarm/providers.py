@@ -274,12 +274,10 @@ class ProvidersCache:
         picked up by `maybe_refresh` (every `max_age_s`); until then the fetch plans with the one held."""
         if version != self._ensuring:
             self._ensuring, self._ensure_reads = version, 0
-        first = True
-        while self._ensure_reads < attempts:
+        for i in range(attempts - self._ensure_reads):
             if self.record is not None and self.record.version >= version:
                 return
-            if not first:
+            if i:
                 time.sleep(pause_s)
-            first = False
             self._ensure_reads += 1
             self.refresh()
