@@ -46,6 +46,27 @@ def world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
+LEAVE_TIMEOUT_S = 120  # a rank missing at the end this long is reported, not waited for
+
+
+def leave_process_group() -> None:
+    """Every rank, at the end: wait for the others, then tear the process group down in order.
+
+    Exiting with gloo's threads still running aborts the process at exit ("terminate called without an
+    active exception", SIGABRT) after the work is done, which torchrun reports as a failed run. The barrier
+    comes first so no rank destroys the group while another still has a collective in flight; on gloo it is
+    a monitored barrier, so a rank that never arrives is named in an error instead of hanging the others.
+    """
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_backend() == "gloo":
+            from datetime import timedelta
+
+            dist.monitored_barrier(timeout=timedelta(seconds=LEAVE_TIMEOUT_S))
+        else:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
 def _sum_hook(state, bucket):
     fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
@@ -100,12 +121,14 @@ class DistributedLearner(Learner):
         """Rank 0: release the followers (they return from `follow()`)."""
         if self.rank == 0 and dist.is_initialized():
             self._broadcast(None)
+            leave_process_group()  # the followers do the same as follow() returns
 
     def follow(self) -> int:
         """Ranks > 0: train whatever rank 0 broadcasts until it closes. Returns the steps taken."""
         while True:
             groups = self._broadcast(None)
             if groups is None:
+                leave_process_group()  # paired with rank 0's close()
                 return self.steps
             self._step_local(groups)
 
