@@ -38,7 +38,7 @@ SCHEMA_VERSION = 2
 """2 (one schema for every change of this release, across the branches that added them; new fields have
 defaults, at the end): LeaseGrant.retry_after_s, .max_batch_bytes and .renewed; LeaseRequest.renew and
 .client_version; TaskLease.columns; AdapterManifest base/tokenizer pins and stop_token_ids; RolloutBatch.engine_dtype;
-Ack.receipt; AdapterPointer.finished (run end); length caps on names and ids."""
+Ack.receipt; AdapterPointer.finished (run end); length caps on names and ids; swarm.ProvidersRecord.shard and .shards."""
 SHA256_BYTES = 32
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}

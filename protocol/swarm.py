@@ -67,9 +67,17 @@ MAX_RECORDS_PER_SHARD = 256
 PROVIDERS_TTL_S = 120.0
 """The providers record lives this long unless re-issued (the coordinator re-issues every few seconds)."""
 MAX_SEEDERS = 64
-"""Peers named to seed a fresh version (each fetches its share of chunks from the coordinator once)."""
+"""Schema cap on the seeders a record may name (decoding refuses more)."""
 MAX_HOLDERS = 64
-"""Peers named as holders of complete older versions (late joiners walking a delta chain)."""
+"""Schema cap on the holders one record may name."""
+SEEDERS_PER_VERSION = 8
+"""Peers the coordinator names to seed a fresh version (each fetches its share of chunks from the coordinator
+once and serves it to the rest); a constant, so a providers record does not grow with the swarm."""
+HOLDERS_PER_SHARD = 8
+"""Holders of complete versions named in one providers shard (late joiners walking a delta chain)."""
+MAX_PROVIDER_SHARDS = 64
+"""The providers record is split into ceil(vouched / HOLDERS_PER_SHARD) shards, at most this many
+(64 x 8 = 512 holders named across the swarm); a volunteer reads only the shard its peer id hashes to."""
 MAX_HOLDER_VERSIONS = 16
 MAX_PEER_ID_CHARS = 64
 MAX_PROVIDERS_BYTES = 16 * limits.KiB
@@ -83,13 +91,26 @@ def pointer_key(run_id: str, coordinator_peer_id: str) -> str:
     return f"asyncrl/{run_id}/adapter/{coordinator_peer_id}"
 
 
-def providers_key(run_id: str, coordinator_peer_id: str) -> str:
-    return f"asyncrl/{run_id}/providers/{coordinator_peer_id}"
+def providers_key(run_id: str, coordinator_peer_id: str, shard: int = 0) -> str:
+    """Shard 0 keeps the unsharded key (it is also where a reader that knows no shard count starts)."""
+    if not 0 <= shard < MAX_PROVIDER_SHARDS:
+        raise ValueError(f"providers shard {shard} not in [0, {MAX_PROVIDER_SHARDS})")
+    base = f"asyncrl/{run_id}/providers/{coordinator_peer_id}"
+    return base if shard == 0 else f"{base}/{shard}"
+
+
+def _peer_hash(peer_id: str) -> int:
+    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big")
 
 
 def presence_shard(peer_id: str) -> int:
     """The one presence shard `peer_id` may write to."""
-    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big") % PRESENCE_SHARDS
+    return _peer_hash(peer_id) % PRESENCE_SHARDS
+
+
+def providers_shard(peer_id: str, shards: int) -> int:
+    """The providers shard `peer_id` reads when the record is split into `shards`."""
+    return _peer_hash(peer_id) % max(1, min(shards, MAX_PROVIDER_SHARDS))
 
 
 def presence_key(run_id: str, shard: int) -> str:
@@ -115,6 +136,8 @@ class ProvidersRecord(messages._Message):
     issued_at: float
     seeders: Annotated[tuple[PeerIdStr, ...], msgspec.Meta(max_length=MAX_SEEDERS)]
     holders: Annotated[tuple[ProviderHolder, ...], msgspec.Meta(max_length=MAX_HOLDERS)]
+    shard: int = 0  # the key it is stored under (providers_key(..., shard)); seeders are the same in every shard
+    shards: int = 1  # how many shards the coordinator issues now: a reader re-reads providers_shard(me, shards)
 
 
 class PresenceRecord(messages._Message):
@@ -199,8 +222,9 @@ def seal_providers(identity: Identity, record: ProvidersRecord) -> bytes:
 
 
 def check_providers(value: bytes, *, coordinator_key: bytes, run_id: str, expiration_time: float | None = None,
-                    now: float | None = None) -> ProvidersRecord:
-    """Verify a providers record: the coordinator's signature, run, well-formed peer ids. Only ProtocolError escapes."""
+                    now: float | None = None, shard: int | None = None) -> ProvidersRecord:
+    """Verify a providers record: the coordinator's signature, run, well-formed peer ids, and (with `shard`)
+    that it is the record for the key it was read from. Only ProtocolError escapes."""
     now = time.time() if now is None else now
     opened = envelope.open_envelope(value, max_bytes=MAX_PROVIDERS_BYTES, expected_kind=PROVIDERS_KIND,
                                     expected_audience=envelope.BROADCAST, expected_signer=coordinator_key,
@@ -210,6 +234,11 @@ def check_providers(value: bytes, *, coordinator_key: bytes, run_id: str, expira
         raise ProtocolError(RejectCode.WRONG_RUN, f"providers for run {record.run_id!r}")
     if type(record.version) is not int or record.version < 0:
         raise ProtocolError(RejectCode.MALFORMED, "version must be an int >= 0")
+    if not (type(record.shards) is int and 1 <= record.shards <= MAX_PROVIDER_SHARDS
+            and type(record.shard) is int and 0 <= record.shard < MAX_PROVIDER_SHARDS):
+        raise ProtocolError(RejectCode.MALFORMED, f"shard {record.shard!r} of {record.shards!r} out of range")
+    if shard is not None and record.shard != shard:
+        raise ProtocolError(RejectCode.MALFORMED, f"providers shard {record.shard} stored under shard {shard}'s key")
     messages._finite(record.issued_at, "issued_at")
     for peer in (*record.seeders, *(h.peer_id for h in record.holders)):
         public_key_from_peer_id(peer)  # MALFORMED unless an Ed25519 peer id

@@ -12,16 +12,22 @@ once, for everyone, and signs the result:
                  with a doubling pause (at most PROBE_BACKOFF_MAX_S), so a flood of fake records costs a
                  bounded trickle of dials. Volunteers with accepted batches (`proven`) are probed and
                  chosen first. From the vouched peers it issues a ProvidersRecord:
-                   seeders  (<= MAX_SEEDERS) serving peers fit to seed; chosen when a version is
-                            published and kept until the next, so every fetcher computes the same
+                   seeders  (<= SEEDERS_PER_VERSION) serving peers fit to seed; chosen when a version
+                            is published and kept until the next, so every fetcher computes the same
                             chunk -> seeder assignment for that version;
-                   holders  (<= MAX_HOLDERS) vouched peers and the complete versions they announce.
-                 It stores the record before the version's pointer (PointerRecord calls `on_publish`),
-                 re-issues it every few seconds (holders change as peers finish), and names the peers
-                 the pointer is pushed to (`push_targets`).
-  ProvidersCache volunteer side: the newest verified ProvidersRecord, re-read at most every
-                 `max_age_s`, or at once when a pointer names a newer version than the record (`ensure`).
-                 One small DHT value per read, whatever the swarm size.
+                   holders  (<= HOLDERS_PER_SHARD per shard) vouched peers and the complete versions
+                            they announce.
+                 The record is sharded so that no value grows with the swarm: ceil(vouched / 8) shards
+                 (at most 64), each with the same seeders and its own slice of the holders, under
+                 providers_key(run, coordinator, shard). It stores them before the version's pointer
+                 (PointerRecord calls `on_publish`), re-issues them every few seconds (holders change as
+                 peers finish; a shard index issued in the last TTL is re-issued too, so a reader of a
+                 shard that no longer exists learns the new count), and names the peers the pointer is
+                 pushed to (`push_targets`).
+  ProvidersCache volunteer side: the newest verified record of the shard its own peer id hashes to
+                 (shard 0 until a record says how many there are), re-read at most every `max_age_s`, or
+                 at once when a pointer names a newer version than the record (`ensure`). One small DHT
+                 value per read, whatever the swarm size.
 
 A vouched peer can still lie about what it holds or serve garbage; fetchers check every byte against
 the signed manifest and avoid such a peer (swarm/fetch.py), with short per-peer timeouts.
@@ -30,6 +36,7 @@ the signed manifest and avoid such a peer (swarm/fetch.py), with short per-peer 
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -81,6 +88,7 @@ class ProviderDesk:
         self._probes: dict[str, _Probe] = {}
         self._version = -1
         self._seeders: tuple[str, ...] = ()
+        self._shard_high: dict[int, float] = {}  # shard count -> when last issued (monotonic)
         self._stop = threading.Event()
         self.key = swarm.providers_key(run_id, identity.peer_id)
         self.stats = {"probes": 0, "probe_failures": 0, "issued": 0, "issue_failures": 0}
@@ -156,7 +164,7 @@ class ProviderDesk:
     def _choose_seeders(self) -> tuple[str, ...]:
         fit = [r.peer_id for r in self._vouched_records()
                if r.serving and (r.upload_bps == 0 or r.upload_bps >= MIN_SEED_BPS)]
-        return tuple(sorted(fit[:swarm.MAX_SEEDERS]))
+        return tuple(sorted(fit[:swarm.SEEDERS_PER_VERSION]))
 
     def on_publish(self, version: int) -> None:
         """A new version is about to become visible: choose its seeders and store the record first."""
@@ -182,16 +190,30 @@ class ProviderDesk:
             seeders = self._choose_seeders()
             with self._lock:
                 self._seeders = seeders
-        holders = tuple(swarm.ProviderHolder(r.peer_id, tuple(sorted(r.versions))[-swarm.MAX_HOLDER_VERSIONS:])
-                        for r in self._vouched_records() if r.versions)[:swarm.MAX_HOLDERS]
-        record = swarm.ProvidersRecord(run_id=self.run_id, version=max(version, 0), issued_at=time.time(),
-                                       seeders=seeders, holders=holders)
-        try:
-            ok = self.node.store(self.key, swarm.seal_providers(self.identity, record), swarm.PROVIDERS_TTL_S)
-        except Exception:
-            ok = False
+        vouched = self._vouched_records()
+        cap = swarm.HOLDERS_PER_SHARD
+        holders = [swarm.ProviderHolder(r.peer_id, tuple(sorted(r.versions))[-swarm.MAX_HOLDER_VERSIONS:])
+                   for r in vouched if r.versions][:cap * swarm.MAX_PROVIDER_SHARDS]
+        shards = max(1, min(swarm.MAX_PROVIDER_SHARDS, math.ceil(len(vouched) / cap)))
+        now = self._clock()
+        self._shard_high = {n: t for n, t in self._shard_high.items() if now - t < swarm.PROVIDERS_TTL_S}
+        self._shard_high[shards] = now
+        issued_at, ok, first = time.time(), True, None
+        for shard in range(max(self._shard_high)):  # past the count too: those readers learn the new count
+            base = (shard % shards) * cap
+            mine = tuple(holders[(base + i) % len(holders)] for i in range(min(cap, len(holders))))
+            record = swarm.ProvidersRecord(run_id=self.run_id, version=max(version, 0), issued_at=issued_at,
+                                           seeders=seeders, holders=mine, shard=shard, shards=shards)
+            first = first or record
+            try:
+                stored = self.node.store(swarm.providers_key(self.run_id, self.identity.peer_id, shard),
+                                         swarm.seal_providers(self.identity, record), swarm.PROVIDERS_TTL_S)
+            except Exception:
+                stored = False
+            ok = ok and bool(stored)
         self.stats["issued" if ok else "issue_failures"] += 1
-        self.last_record = record
+        self.stats["shards"] = shards
+        self.last_record = first
         return ok
 
     def push_targets(self) -> list[str]:
@@ -231,7 +253,8 @@ class ProvidersCache:
     def __init__(self, node, run_id: str, coordinator_peer_id: str, coordinator_key: bytes, *,
                  max_age_s: float = 10.0, clock=time.monotonic):
         self.node, self.run_id, self.key_bytes = node, run_id, coordinator_key
-        self.key = swarm.providers_key(run_id, coordinator_peer_id)
+        self.coordinator_peer_id = coordinator_peer_id
+        self.shards = 1  # as the newest record read says; this reader's shard is providers_shard(me, shards)
         self.max_age_s = max_age_s
         self._clock = clock
         self.record: swarm.ProvidersRecord | None = None
@@ -242,23 +265,34 @@ class ProvidersCache:
         self._ensuring, self._ensure_reads = -1, 0  # the version `ensure` last read for, and its reads so far
 
     def refresh(self) -> swarm.ProvidersRecord | None:
+        """Read this peer's shard; when the record says the shard count changed and so did this peer's
+        shard, read the new shard at once (two reads, only when the count changes)."""
+        shard = self._read(swarm.providers_shard(self.node.peer_id, self.shards))
+        if shard is not None and shard != swarm.providers_shard(self.node.peer_id, self.shards):
+            self._read(swarm.providers_shard(self.node.peer_id, self.shards))
+        return self.record
+
+    def _read(self, shard: int) -> int | None:
+        """One read of `shard`; returns it when a verified record came back (and adopts its count)."""
         self.read_at = self._clock()
         self.reads += 1
         try:
-            raw = self.node.get(self.key)
+            raw = self.node.get(swarm.providers_key(self.run_id, self.coordinator_peer_id, shard))
         except Exception:
             self.errors += 1
-            return self.record
-        if isinstance(raw, bytes):
-            self.bytes_read += len(raw)
-            try:
-                record = swarm.check_providers(raw, coordinator_key=self.key_bytes, run_id=self.run_id)
-            except ProtocolError:
-                self.errors += 1
-                return self.record
-            if self.record is None or record.issued_at >= self.record.issued_at:
-                self.record = record
-        return self.record
+            return None
+        if not isinstance(raw, bytes):
+            return None
+        self.bytes_read += len(raw)
+        try:
+            record = swarm.check_providers(raw, coordinator_key=self.key_bytes, run_id=self.run_id, shard=shard)
+        except ProtocolError:
+            self.errors += 1
+            return None
+        if self.record is None or record.issued_at >= self.record.issued_at:
+            self.record = record
+            self.shards = record.shards
+        return shard
 
     def maybe_refresh(self) -> None:
         if self._clock() - self.read_at >= self.max_age_s:

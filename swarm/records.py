@@ -67,11 +67,13 @@ class SwarmRecordValidator(RecordValidatorBase):
         self.coordinator_key = public_key_from_peer_id(coordinator_peer_id)
         self._pointer_id = _key_id(swarm.pointer_key(run_id, coordinator_peer_id))
         self._providers_id = _key_id(swarm.providers_key(run_id, coordinator_peer_id))
+        self._providers = {_key_id(swarm.providers_key(run_id, coordinator_peer_id, s)): s
+                           for s in range(swarm.MAX_PROVIDER_SHARDS)}
         self._shards = {_key_id(swarm.presence_key(run_id, s)): s for s in range(swarm.PRESENCE_SHARDS)}
 
     def validate(self, record: DHTRecord) -> bool:
         shard = self._shards.get(record.key)
-        if shard is None and record.key not in (self._pointer_id, self._providers_id):
+        if shard is None and record.key != self._pointer_id and record.key not in self._providers:
             return True  # not ours to police
         try:
             value = MSGPackSerializer.loads(record.value)
@@ -80,9 +82,12 @@ class SwarmRecordValidator(RecordValidatorBase):
             if shard is None:
                 if record.subkey != _REGULAR:
                     return False
-                check = swarm.check_pointer if record.key == self._pointer_id else swarm.check_providers
-                check(value, coordinator_key=self.coordinator_key, run_id=self.run_id,
-                      expiration_time=record.expiration_time)
+                if record.key == self._pointer_id:
+                    swarm.check_pointer(value, coordinator_key=self.coordinator_key, run_id=self.run_id,
+                                        expiration_time=record.expiration_time)
+                else:
+                    swarm.check_providers(value, coordinator_key=self.coordinator_key, run_id=self.run_id,
+                                          expiration_time=record.expiration_time, shard=self._providers[record.key])
             else:
                 subkey = MSGPackSerializer.loads(record.subkey)
                 if not isinstance(subkey, str):

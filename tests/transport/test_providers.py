@@ -210,3 +210,103 @@ def test_a_late_record_costs_a_bounded_number_of_reads_per_version():
     cache.ensure(7, pause_s=0.0)
     cache.ensure(6, pause_s=0.0)  # an older version than the record: nothing to read
     assert cache.reads == 2 * ENSURE_READS + 1 + ENSURE_READS
+
+
+class Reader:
+    """A volunteer's view of the DHT the desk stored into."""
+
+    def __init__(self, identity: Identity, stored: dict[str, bytes]):
+        self.peer_id, self.stored = identity.peer_id, stored
+
+    def get(self, key):
+        return self.stored.get(key)
+
+
+def _desk_with(n: int, node: ScriptedSwarm, records: dict) -> tuple[ProviderDesk, list[Identity]]:
+    peers = [Identity.generate() for _ in range(n)]
+    node.honest |= {p.peer_id for p in peers}
+    records.update({p.peer_id: presence(p) for p in peers})
+    desk = ProviderDesk(node, COORD, RUN, Tracker(records))
+    while desk.status()["vouched"] < len(records):
+        desk.probe_round()
+    return desk, peers
+
+
+def _shards(node: ScriptedSwarm) -> dict[int, swarm.ProvidersRecord]:
+    out = {}
+    for shard in range(swarm.MAX_PROVIDER_SHARDS):
+        raw = node.stored.get(swarm.providers_key(RUN, COORD.peer_id, shard))
+        if raw is not None:
+            out[shard] = swarm.check_providers(raw, coordinator_key=COORD.public_key, run_id=RUN, shard=shard)
+    return out
+
+
+def test_the_record_is_sharded_so_no_value_grows_with_the_swarm():
+    """issue 16: what a volunteer reads per refresh is O(1) in N — a constant number of seeders and one
+    shard of at most HOLDERS_PER_SHARD holders — while every vouched holder is still named somewhere."""
+    sizes = {}
+    for n in (8, 32, 300):
+        node = ScriptedSwarm()
+        desk, peers = _desk_with(n, node, {})
+        desk.on_publish(3)
+        shards = _shards(node)
+        want = max(1, -(-n // swarm.HOLDERS_PER_SHARD))
+        assert sorted(shards) == list(range(want)) and all(r.shards == want for r in shards.values())
+        assert len({r.seeders for r in shards.values()}) == 1  # every fetcher plans the same chunk -> seeder map
+        assert len(shards[0].seeders) == min(n, swarm.SEEDERS_PER_VERSION)
+        assert all(len(r.holders) <= swarm.HOLDERS_PER_SHARD for r in shards.values())
+        assert {h.peer_id for r in shards.values() for h in r.holders} == {p.peer_id for p in peers}
+        sizes[n] = max(len(node.stored[swarm.providers_key(RUN, COORD.peer_id, s)]) for s in shards)
+        # A volunteer finds its shard: shard 0 first (it knows no count yet), then its own, then only its own.
+        vol = peers[-1]
+        cache = ProvidersCache(Reader(vol, node.stored), RUN, COORD.peer_id, COORD.public_key)
+        cache.refresh()
+        mine = swarm.providers_shard(vol.peer_id, want)
+        assert cache.record.shard == mine and cache.reads == (1 if mine == 0 else 2)
+        cache.refresh()
+        assert cache.reads == (2 if mine == 0 else 3) and cache.record.shard == mine
+    assert sizes[32] <= 1.2 * sizes[8] and sizes[300] <= 1.2 * sizes[8], sizes
+
+
+def test_readers_of_a_shard_that_no_longer_exists_learn_the_new_count():
+    node = ScriptedSwarm()
+    records: dict = {}
+    desk, peers = _desk_with(32, node, records)
+    desk.on_publish(1)
+    far = next(p for p in peers if swarm.providers_shard(p.peer_id, 4) == 3)
+    cache = ProvidersCache(Reader(far, node.stored), RUN, COORD.peer_id, COORD.public_key)
+    cache.refresh()
+    assert cache.record.shard == 3 and cache.shards == 4
+    for p in peers:  # the swarm shrinks to one volunteer
+        if p is not far:
+            del records[p.peer_id]
+    desk.probe_round()
+    time.sleep(0.01)
+    desk.issue()
+    assert _shards(node)[3].shards == 1  # shard 3 is re-issued for its readers, saying there is one shard now
+    cache.refresh()
+    assert cache.shards == 1 and cache.record.shard == 0
+    assert {h.peer_id for h in cache.record.holders} == {far.peer_id}
+
+
+def test_a_shard_record_is_valid_only_under_its_own_key():
+    record = swarm.ProvidersRecord(run_id=RUN, version=1, issued_at=time.time(), seeders=(), holders=(),
+                                   shard=1, shards=4)
+    raw = swarm.seal_providers(COORD, record)
+    assert swarm.check_providers(raw, coordinator_key=COORD.public_key, run_id=RUN, shard=1) == record
+    for shard in (0, 2):  # a shard replayed under another shard's key
+        try:
+            swarm.check_providers(raw, coordinator_key=COORD.public_key, run_id=RUN, shard=shard)
+        except ProtocolError as e:
+            assert e.code == RejectCode.MALFORMED
+        else:
+            raise AssertionError("a shard record was accepted under another shard's key")
+    for bad in ({"shard": 0, "shards": 0}, {"shard": 64, "shards": 64}, {"shard": 0, "shards": 65}):
+        raw = swarm.seal_providers(COORD, swarm.ProvidersRecord(run_id=RUN, version=1, issued_at=time.time(),
+                                                                seeders=(), holders=(), **bad))
+        try:
+            swarm.check_providers(raw, coordinator_key=COORD.public_key, run_id=RUN)
+        except ProtocolError as e:
+            assert e.code == RejectCode.MALFORMED
+        else:
+            raise AssertionError(f"shard fields {bad} were accepted")

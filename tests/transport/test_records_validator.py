@@ -85,3 +85,15 @@ def test_unrelated_keys_pass_untouched():
 def test_two_validators_for_the_same_run_merge():
     assert V.merge_with(SwarmRecordValidator("r", COORD.peer_id))
     assert not V.merge_with(SwarmRecordValidator("other", COORD.peer_id))
+
+
+def test_providers_shards_are_the_coordinators_and_each_lives_under_its_own_key():
+    def shard_record(identity: Identity, shard: int) -> bytes:
+        return swarm.seal_providers(identity, swarm.ProvidersRecord(
+            run_id="r", version=1, issued_at=time.time(), seeders=(), holders=(), shard=shard, shards=4))
+
+    key2 = swarm.providers_key("r", COORD.peer_id, 2)
+    assert V.validate(record(key2, shard_record(COORD, 2)))
+    assert not V.validate(record(key2, shard_record(COORD, 1)))  # shard 1's record replayed under shard 2's key
+    assert not V.validate(record(key2, shard_record(MALLORY, 2)))
+    assert not V.validate(record(PROVIDERS_KEY, shard_record(COORD, 2)))
