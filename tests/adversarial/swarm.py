@@ -395,6 +395,26 @@ class Mallory:
         ack = messages.decode(raw, messages.Ack, max_bytes=64 * 1024)
         return ("ACCEPTED" if ack.accepted and ack.code is None else ack.code), ack
 
+    def deliver(self, ident: Identity, payload: bytes, node=None, attempts: int = 3) -> tuple[str, int]:
+        """An honest volunteer's upload, as the client's outbox does it (client/worker.py): a stream that
+        broke with no answer (TransportError) is sent again, sealed afresh; the batch id is the payload's
+        hash, so a copy that did arrive comes back DUPLICATE_BATCH with accepted=True. Returns (the final
+        verdict, how many sends broke without an answer) so a row can show them."""
+        from asyncrl.swarm.transport import TransportError
+
+        for broke in range(attempts):
+            try:
+                code, ack = self.submit(self.seal(ident, payload), node)
+            except TransportError:
+                if broke == attempts - 1:
+                    raise
+                time.sleep(1.0)
+                continue
+            if ack is not None and ack.accepted:
+                return self.swarm.verdict(ack.batch_id), broke
+            return code, broke
+        raise AssertionError("unreachable")
+
     def final_code(self, sealed: bytes, node=None) -> str:
         """Submit, and for an acked batch wait for the coordinator's final verdict (train-time audits)."""
         code, ack = self.submit(sealed, node)

@@ -49,13 +49,16 @@ def test_an_honest_bf16_volunteer_is_never_struck(mallory, swarm, bea, attack):
                  f"(as GPU engines do) sends {BF16_BATCHES} batches, audited as any new key is (always at first)",
                  note="tried = her batches; rejected must stay 0 (tolerance calibrated for bf16 at start-up)")
     ident = bea[0]
-    codes = []
+    codes, broke = [], 0
     for _ in range(BF16_BATCHES):
-        _, sealed = bea_batch(mallory, bea)
-        code = mallory.final_code(sealed, node=bea[1])
+        payload, _ = bea_batch(mallory, bea)
+        code, lost_streams = mallory.deliver(ident, payload, node=bea[1])  # re-sends as her outbox would
+        broke += lost_streams
         codes.append(code)
         rec.saw(code, rejected=code != "ACCEPTED")
     rec.honest_extra = sum(c != "ACCEPTED" for c in codes)
+    if broke:
+        rec.note += f"; {broke} upload streams broke without an answer and were re-sent, as a client does"
     assert codes == ["ACCEPTED"] * BF16_BATCHES, codes
     access = swarm.trust()["access"]
     assert ident.fingerprint not in access["banned"]
