@@ -90,7 +90,6 @@ class ProviderDesk:
         self._seeders: tuple[str, ...] = ()
         self._shard_high: dict[int, float] = {}  # shard count -> when last issued (monotonic)
         self._stop = threading.Event()
-        self.key = swarm.providers_key(run_id, identity.peer_id)
         self.stats = {"probes": 0, "probe_failures": 0, "issued": 0, "issue_failures": 0}
         self.last_record: swarm.ProvidersRecord | None = None
 
@@ -267,32 +266,34 @@ class ProvidersCache:
     def refresh(self) -> swarm.ProvidersRecord | None:
         """Read this peer's shard; when the record says the shard count changed and so did this peer's
         shard, read the new shard at once (two reads, only when the count changes)."""
-        shard = self._read(swarm.providers_shard(self.node.peer_id, self.shards))
-        if shard is not None and shard != swarm.providers_shard(self.node.peer_id, self.shards):
-            self._read(swarm.providers_shard(self.node.peer_id, self.shards))
+        shard = swarm.providers_shard(self.node.peer_id, self.shards)
+        if self._read(shard):
+            moved = swarm.providers_shard(self.node.peer_id, self.shards)
+            if moved != shard:
+                self._read(moved)
         return self.record
 
-    def _read(self, shard: int) -> int | None:
-        """One read of `shard`; returns it when a verified record came back (and adopts its count)."""
+    def _read(self, shard: int) -> bool:
+        """One read of `shard`; True when a verified record came back (its count is adopted if newest)."""
         self.read_at = self._clock()
         self.reads += 1
         try:
             raw = self.node.get(swarm.providers_key(self.run_id, self.coordinator_peer_id, shard))
         except Exception:
             self.errors += 1
-            return None
+            return False
         if not isinstance(raw, bytes):
-            return None
+            return False
         self.bytes_read += len(raw)
         try:
             record = swarm.check_providers(raw, coordinator_key=self.key_bytes, run_id=self.run_id, shard=shard)
         except ProtocolError:
             self.errors += 1
-            return None
+            return False
         if self.record is None or record.issued_at >= self.record.issued_at:
             self.record = record
             self.shards = record.shards
-        return shard
+        return True
 
     def maybe_refresh(self) -> None:
         if self._clock() - self.read_at >= self.max_age_s:
