@@ -17,7 +17,7 @@ loaded with the *published bf16* adapter, exactly as `asyncrl-client` does) gene
   bf16_volunteer (probe) an honest volunteer running the base model in bf16 (GPU-style) — reported,
               not part of the pass/fail, since the default tolerance is calibrated for fp32 engines.
 
-The statistic is coordinator.audit.mismatch: the worst completion's mean |claimed - recomputed| per
+The statistic is coordinator.audit.mismatch: the worst completion's trimmed mean |claimed - recomputed| per
 token. Output: max/quantiles of honest values, min of each attack, false-reject rate and catch rates
 at `--tolerance`, and the audit's cost as a fraction of learner time.
 
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
         d["rate"] = d["caught" if attack else "rejected"] / len(xs)
         return d
 
-    out = {"tolerance": tol, "statistic": "max over completions of mean |claimed - recomputed| logprob per token",
+    out = {"tolerance": tol, "statistic": "max over completions of the trimmed mean |claimed - recomputed| logprob per token (largest 1 in 16 left out; completions under 4 tokens pooled, no verdict under 4 pooled tokens)",
            "model": "built-in tiny (asyncrl/tiny-qwen2)", "versions": args.versions,
            "batch": {"prompts": args.prompts, "group_size": args.group_size, "max_new_tokens": args.max_new_tokens},
            "honest": {"shadow": summary(res["honest_shadow"], False), "learner": summary(res["honest_learner"], False)},

@@ -39,10 +39,10 @@ checked: the batch is accepted unaudited and counted (`unavailable`), since the 
 What a miss costs (tolerance per engine dtype, calibrated at start-up; quarantine before strikes):
 coordinator/audit_policy.py.
 
-The statistic (`mismatch`): the worst completion's mean |claimed - recomputed| logprob per token.
-Per-completion (not per-batch) so that one forged completion among 64 honest ones is not averaged
-away; a per-token mean (not max) so that an honest rare token whose logprob is numerically touchy
-does not decide alone. Calibrated by bench/audit_calibration.py; figures in docs/SECURITY.md.
+The statistic (`mismatch`): the worst completion's trimmed mean |claimed - recomputed| logprob per token
+(its largest 1 in 16 token differences left out: TRIM_FRACTION; completions under SHORT_TOKENS judged together). Per-completion (not per-batch) so that
+one forged completion among 64 honest ones is not averaged away; a trimmed per-token mean (not max, not
+plain mean) so that an honest token whose logprob is numerically touchy does not decide, however far off. Calibrated by bench/audit_calibration.py; figures in docs/SECURITY.md.
 """
 
 from __future__ import annotations
@@ -91,15 +91,56 @@ def completion_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return learner_logprobs(model, batch).cpu()
 
 
+TRIM_FRACTION = 1 / 16
+"""Share of a completion's tokens (its largest |claimed - recomputed|, rounded up; never its last token) that
+the statistic leaves out. Why: an honest engine in another dtype or with other kernels agrees with us on
+almost every token but is off by 0.1-0.4 nats on the odd numerically touchy one (measured: bf16 engine vs
+fp32 audit on a trained tiny policy; vLLM vs trainer log-probs on real models show the same heavy tail).
+A forged, wrong-version or wrong-model completion is off on most of its tokens, so trimming a few costs
+the audit little; logprobs lied about on 1 token in 16 buy a cheat nothing a hand-picked token does not."""
+
+
+SHORT_TOKENS = 4
+"""Completions shorter than this are judged together (their token differences pooled into one row): a
+token or two alone cannot tell a touchy token from a lie. Fewer pooled tokens than this: no verdict on them."""
+
+
 def per_completion(recomputed: torch.Tensor, claimed: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Each completion's mean |claimed - recomputed| logprob per token (rows = completions)."""
+    """Each completion's trimmed mean |claimed - recomputed| logprob per token (rows = completions): the
+    ceil(TRIM_FRACTION x n) largest of its n token differences are left out, but never its last one. The
+    batch's completions shorter than SHORT_TOKENS are judged together: each gets the trimmed mean of all
+    their tokens (trimmed the same way), or 0 when they have fewer than SHORT_TOKENS tokens in all (no
+    evidence either way: bench/audit_bf16_tail.py saw such pools decide an honest bf16 batch's verdict)."""
     mask = mask.to(torch.float32).cpu()
     diff = (recomputed.detach().float().cpu() - claimed.detach().float().cpu()).abs() * mask
-    return diff.sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+    n = mask.sum(dim=1)
+    if diff.shape[1] == 0:
+        return torch.zeros(diff.shape[0])
+    out = _trimmed_means(diff, n, keep_one=True)
+    short = (n > 0) & (n < SHORT_TOKENS)
+    if bool(short.any()):
+        total = n[short].sum()
+        pooled = diff[short].reshape(1, -1)  # their token differences as one row (padding is 0: sorts last)
+        out[short] = (_trimmed_means(pooled, total.unsqueeze(0), keep_one=False)[0] if total >= SHORT_TOKENS
+                      else 0.0)  # fewer tokens than one long completion has: no evidence either way
+    return out
+
+
+def _trimmed_means(diff: torch.Tensor, n: torch.Tensor, *, keep_one: bool) -> torch.Tensor:
+    """Row-wise mean of `diff` (>= 0; 0 past each row's `n` entries) without its ceil(TRIM_FRACTION x n)
+    largest entries (at most n - 1 of them when `keep_one`; a row left with nothing: 0)."""
+    k = torch.ceil(n * TRIM_FRACTION)
+    if keep_one:
+        k = torch.minimum(k, (n - 1).clamp(min=0))
+    k = k.long()
+    top = diff.sort(dim=1, descending=True).values.cumsum(dim=1)  # unused positions are 0: they sort last
+    dropped = torch.where(k > 0, top.gather(1, (k - 1).clamp(min=0).unsqueeze(1)).squeeze(1), torch.zeros_like(n))
+    left = n - k
+    return torch.where(left > 0, (diff.sum(dim=1) - dropped) / left.clamp(min=1.0), torch.zeros_like(n))
 
 
 def mismatch(recomputed: torch.Tensor, claimed: torch.Tensor, mask: torch.Tensor) -> float:
-    """The worst completion's mean |claimed - recomputed| logprob per token (rows = completions)."""
+    """The worst completion's trimmed mean |claimed - recomputed| logprob per token (rows = completions)."""
     per_row = per_completion(recomputed, claimed, mask)
     return float(per_row.max()) if per_row.numel() else 0.0
 

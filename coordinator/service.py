@@ -48,8 +48,8 @@ from .config import CoordinatorConfig
 from .leasing import MAX_LEASE_REQUEST_BYTES
 
 FINAL_POINTER_WAIT_S = 90.0  # at the run's end the publisher thread may still be storing the last version
-CALIBRATION_PROMPTS = 8  # x min(group_size, 8) honest completions sampled at start-up (coordinator/audit_policy.py)
-CALIBRATION_TOKENS = 64  # longest calibration completion (the statistic is a per-token mean)
+CALIBRATION_PROMPTS = 32  # x min(group_size, 8) honest completions sampled at start-up (coordinator/audit_policy.py)
+CALIBRATION_TOKENS = 64  # longest calibration completion (the statistic is a per-token trimmed mean)
 
 
 def resolve_model(cfg: CoordinatorConfig, *, out=print):

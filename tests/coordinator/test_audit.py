@@ -8,7 +8,7 @@ import torch
 
 from asyncrl import tasks
 from asyncrl.client.engine import TransformersEngine
-from asyncrl.coordinator.audit import Auditor, mismatch, shadow_model
+from asyncrl.coordinator.audit import Auditor, mismatch, per_completion, shadow_model
 from asyncrl.coordinator.config import LORA_TARGETS
 from asyncrl.coordinator.learner import Learner, TrainGroup
 from asyncrl.coordinator.loss import LossConfig
@@ -90,11 +90,47 @@ def test_probability_follows_the_track_record(setup):
     assert auditor.probability(4) == 0.25 and auditor.probability(1000) == auditor.floor
 
 
-def test_mismatch_is_the_worst_completion_mean():
-    rec = torch.tensor([[-1.0, -1.0, 0.0], [-2.0, -2.0, -2.0]])
-    claimed = torch.tensor([[-1.0, -1.0, 0.0], [-2.0, -2.6, -2.0]])
-    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    assert mismatch(rec, claimed, mask) == pytest.approx(0.2)
+def test_mismatch_is_the_worst_completions_trimmed_mean():
+    rec = torch.tensor([[-1.0, -1.0, 0.0, 0.0], [-2.0, -2.0, -2.0, -2.0]])
+    claimed = torch.tensor([[-1.0, -1.0, 0.0, 0.0], [-2.0, -2.6, -2.3, -2.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    assert mismatch(rec, claimed, mask) == pytest.approx(0.1)  # 0.6 (its largest of 4) left out: 0.3 / 3
+
+
+def test_one_touchy_token_does_not_decide_but_a_lie_on_most_tokens_does():
+    """The heavy tail of an honest engine in another dtype: right on almost every token, 0.1-0.4 nats off on
+    the odd one (measured: bf16 engine vs fp32 audit on a trained policy). A wrong-version or made-up
+    completion is off on most of its tokens."""
+    n = 16
+    rec = torch.full((3, n), -1.0)
+    mask = torch.ones(3, n)
+    honest = rec.clone()
+    honest[0] += 0.002
+    honest[0, 5] += 0.36  # one touchy token
+    lied = rec + 0.02     # a small lie on every token
+    claimed = torch.stack([honest[0], rec[1], lied[2]])
+    per = per_completion(rec, claimed, mask)
+    assert per[0] == pytest.approx(0.002, abs=1e-6) and per[1] == 0.0
+    assert per[2] == pytest.approx(0.02, abs=1e-6)
+    assert mismatch(rec[:2], claimed[:2], mask[:2]) < 0.01 < mismatch(rec, claimed, mask)
+    # the plain mean would have let the touchy token decide: 0.024 > 0.01
+    assert float(((claimed[0] - rec[0]).abs()).mean()) > 0.01
+
+
+def test_short_completions_are_judged_together():
+    rec = torch.zeros(6, 8)
+    mask = torch.zeros(6, 8)
+    mask[:, 0] = 1.0                      # six 1-token completions
+    claimed = torch.zeros(6, 8)
+    claimed[0, 0] = 0.3                   # one touchy honest token: no verdict alone
+    assert per_completion(rec[:1], claimed[:1], mask[:1]).tolist() == [0.0]  # a lone one: no evidence
+    assert per_completion(rec[:3], claimed[:3] + 0.5 * mask[:3], mask[:3]).tolist() == [0.0] * 3  # 3 tokens: none
+    assert mismatch(rec, claimed, mask) == 0.0   # pooled with five exact ones, it is the trimmed one
+    lied = torch.full((6, 8), 0.05) * mask  # every short completion made up: caught together
+    assert mismatch(rec, lied, mask) == pytest.approx(0.05)
+    long_row = torch.zeros(1, 8)
+    assert per_completion(torch.cat([rec, long_row]), torch.cat([lied, long_row + 0.05]),
+                          torch.cat([mask, torch.ones(1, 8)]))[-1] == pytest.approx(0.05)
 
 
 def test_ingest_time_audit_of_an_older_version(setup):
