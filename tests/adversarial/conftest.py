@@ -50,7 +50,8 @@ def swarm(tmp_path_factory):
         ended = time.time()  # the books as of after the last attack: trust.json is rewritten every few seconds
         wait_for(lambda: (run / "trust.json").stat().st_mtime > ended, 60, "trust.json written after the last attack")
         final = s.honest_view()
-        write_artifact(s, {"honest_start": s.start_view, "honest_end": final, "trust": s.trust(), **rss.stop()})
+        write_artifact(s, {"honest_start": s.start_view, "honest_end": final, "trust": s.trust(),
+                           "unanswered_streams": s.unanswered, **rss.stop()})
     finally:
         procs.reap()
 

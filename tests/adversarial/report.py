@@ -51,6 +51,10 @@ def attack_table(data: dict, own: list[dict] = ()) -> str:
         tail.append("Reward rows (their own swarm, tests/adversarial/test_rewards.py): " + "; ".join(
             f"{name}: {end[name]['acked']} batches acked, rejected {end[name]['client_rejected'] or '{}'}"
             for name in sorted(end)) + f"; books {json.dumps({k: v for k, v in (d.get('books') or {}).items() if k in ('unscorable_groups', 'prompts_retired')})}.")
+    if "unanswered_streams" in data:
+        lost = data["unanswered_streams"]
+        tail.append(f"mallory's uploads whose stream broke with no answer and were re-sent (same bytes): {len(lost)}"
+                    + (f" ({'; '.join(lost[:3])})" if lost else "") + ".")
     if data.get("coordinator_rss_peak"):
         tail.append(f"Coordinator RSS during the suite: {data['coordinator_rss_start'] / 2**20:.0f} MiB at the start, "
                     f"peak {data['coordinator_rss_peak'] / 2**20:.0f} MiB (sampled every 0.5 s).")

@@ -84,6 +84,7 @@ class Swarm:
     coordinator_pid: int
     honest: dict[str, Path]  # name -> data dir
     results: dict = field(default_factory=dict)
+    unanswered: list = field(default_factory=list)  # mallory's uploads whose stream broke with no answer, re-sent
 
     @property
     def coordinator_peer(self) -> str:
@@ -386,12 +387,28 @@ class Mallory:
         kw.setdefault("audience", self.swarm.coordinator_key)
         return envelope.seal(ident, "rollout_batch", payload, **kw)
 
-    def submit(self, sealed: bytes, node=None) -> tuple[str, messages.Ack | None]:
-        """(code, ack): "ACCEPTED" or the reject code, whether it came in an Ack or as a transport refusal."""
-        try:
-            raw = self.call("submit", sealed, node, max_response_bytes=64 * 1024)
-        except ProtocolError as exc:  # refused before ingest (peer banned / rate limited / too large)
-            return exc.code.value, None
+    def submit(self, sealed: bytes, node=None, attempts: int = 3) -> tuple[str, messages.Ack | None]:
+        """(code, ack): "ACCEPTED" or the reject code, whether it came in an Ack or as a transport refusal.
+
+        A stream that broke with no answer at all (TransportError: 0 bytes back) is sent again, the same
+        bytes, as any client would; each such re-send is listed in `swarm.unanswered` (the table's footer).
+        Such streams are lost below the coordinator's handler (p2pd / the control socket: an instrumented
+        soak of 8,059 batches saw 6 of them and no handler that ended without writing its answer), so the
+        copy is the first the coordinator judges; were it not, its answer (NONCE_REUSED, DUPLICATE_BATCH)
+        would differ from what the test expects, and the test would say so."""
+        from asyncrl.swarm.transport import TransportError
+
+        for attempt in range(attempts):
+            try:
+                raw = self.call("submit", sealed, node, max_response_bytes=64 * 1024)
+                break
+            except ProtocolError as exc:  # refused before ingest (peer banned / rate limited / too large)
+                return exc.code.value, None
+            except TransportError as exc:
+                self.swarm.unanswered.append(f"{time.strftime('%H:%M:%S')} {exc}"[:200])
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(1.0)
         ack = messages.decode(raw, messages.Ack, max_bytes=64 * 1024)
         return ("ACCEPTED" if ack.accepted and ack.code is None else ack.code), ack
 

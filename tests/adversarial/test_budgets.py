@@ -4,7 +4,10 @@ a signed msgpack list bomb and an oversized name. alice and bob keep contributin
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import threading
+import time
 
 import msgspec
 import pytest
@@ -12,11 +15,15 @@ import pytest
 from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.errors import ProtocolError
 from asyncrl.protocol.identity import Identity
+from asyncrl.swarm.serving import chunk_request
+from asyncrl.swarm.streams import stream_name
 
 from tests.adversarial.swarm import (
     INBOUND_BYTES,
     MIN_UPLOAD_BPS,
     RUN_ID,
+    SERVE_BURST,
+    SERVE_NEW_BPS,
     MiB,
     wait_for,
 )
@@ -75,6 +82,110 @@ def test_slow_drip_and_stalled_headers_are_cut(mallory, swarm, strangers, attack
     assert drips == ["DEADLINE_EXCEEDED"] * 4 and stalled == ["DEADLINE_EXCEEDED"] * 4, (drips, stalled)
     for c in drips + stalled:
         rec.saw(c)
+
+
+DRAIN_PAST_BURST = 1 * MiB  # the drain runs until the strangers got this much beyond their burst
+
+
+def test_chunk_drain_gets_only_the_strangers_rate(mallory, swarm, attack):
+    strangers = [mallory.new_node() for _ in range(3)]  # its own: no state left by the tests above
+    rec = attack("chunk drain", f"{len(strangers)} fresh peer ids, 4 requests in flight each, fetch adapter chunks "
+                 f"from the coordinator as fast as it answers, until they got {DRAIN_PAST_BURST // MiB} MiB beyond "
+                 f"the strangers' burst, and alice or bob has since loaded a newer version",
+                 note=f"peers without accepted batches share {SERVE_NEW_BPS // 1024} KiB/s (+ a "
+                      f"{SERVE_BURST // MiB} MiB burst); tried = requests beyond the burst, answered at that rate "
+                      f"(PACED), refused, or hung up on (CLOSED)")
+
+    def loaded() -> dict[str, int]:
+        return {n: max(swarm.status(n).get("versions_loaded", [0])) for n in swarm.honest}
+
+    versions0 = loaded()
+    got = {"bytes": 0, "requests": 0, "largest": 0}
+    codes: list[str] = []
+    closed: list[str] = []  # how each unanswered request ended (a failure says)
+    lock, done = threading.Lock(), threading.Event()
+    first = mallory.follow().manifest
+
+    def honest_moved_on(since: dict[str, int]) -> bool:  # an honest fetch went through while the strangers were
+        # held to their rate (whoever's cycle ends first: beside a CPU hog under -n 2, waiting for both alice and
+        # bob took 89 s of the 120 s guard)
+        return any(v > since[n] for n, v in loaded().items())
+
+    from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure  # p2pd could not open the stream
+
+    async def drain(node):
+        manifest, i = first, 0
+        while not done.is_set():
+            t_req = time.monotonic()
+            try:
+                data = await node.acall(swarm.coordinator_peer, stream_name(RUN_ID, "chunk"),
+                                        chunk_request(manifest.version, i % len(manifest.chunk_hashes)),
+                                        max_response_bytes=manifest.chunk_bytes)
+                with lock:
+                    if got["bytes"] >= SERVE_BURST:
+                        codes.append("PACED")
+                    got["bytes"] += len(data)
+                    got["requests"] += 1
+                    got["largest"] = max(got["largest"], len(data))
+            except ProtocolError as exc:
+                if exc.code.value == "STALE_VERSION":  # the coordinator pruned it: drain its newest instead
+                    manifest = mallory.sync.current.manifest
+                    await asyncio.sleep(0.1)
+                    continue
+                with lock:
+                    codes.append(exc.code.value)
+                # "retry later": mallory does, 0.1 s later (x 12 requests in flight). Spinning would only burn
+                # the CPU this 2-core test machine shares with alice, bob and the coordinator; on a real swarm
+                # an attacker's CPU is its own and the coordinator's cost per refusal is what counts.
+                await asyncio.sleep(0.1)
+            except (asyncio.IncompleteReadError, ConnectionError, OSError, ControlFailure) as exc:  # no answer
+                with lock:
+                    codes.append("CLOSED")
+                    closed.append(f"{type(exc).__name__}: {str(exc)[:80]} after {time.monotonic() - t_req:.1f}s")
+                await asyncio.sleep(0.1)
+            i += 1
+
+    def run(node):
+        async def four():
+            await asyncio.gather(*(drain(node) for _ in range(4)))
+        node.loops.run(four(), timeout=180)
+
+    t0 = time.monotonic()
+    halves: dict[str, float] = {}  # when each half of the condition was first met (s after the start)
+    at_burst: dict[str, int] = {}  # alice's and bob's versions when the strangers' burst was spent
+    threads = [threading.Thread(target=run, args=(n,)) for n in strangers]
+    for t in threads:
+        t.start()
+    try:
+        try:
+            def both_halves() -> bool:
+                now = time.monotonic() - t0
+                if "bytes" not in halves and got["bytes"] >= SERVE_BURST + DRAIN_PAST_BURST:
+                    halves["bytes"] = now
+                    at_burst.update(loaded())  # from here on the strangers get only their rate
+                if "bytes" in halves and "honest" not in halves and honest_moved_on(at_burst):
+                    halves["honest"] = now
+                return len(halves) == 2
+            wait_for(both_halves, 120, "the drain to pass the strangers' burst while alice or bob loads a newer adapter")
+        except AssertionError as exc:  # say which half was missing
+            now_loaded = loaded()
+            raise AssertionError(f"{exc}: drained {got}, drain threads alive {sum(t.is_alive() for t in threads)}"
+                                 f"/{len(threads)}, codes {dict(collections.Counter(codes))}, honest versions "
+                                 f"{versions0} -> {at_burst or '-'} -> {now_loaded}; halves met at {halves}; unanswered: {closed[:5]}") from None
+    finally:
+        done.set()
+        for t in threads:
+            t.join(60)
+    elapsed = time.monotonic() - t0
+    # What the strangers could take, all peer ids together: the burst, the rate, and one chunk per request in flight.
+    bound = SERVE_BURST + SERVE_NEW_BPS * elapsed + 4 * len(strangers) * got["largest"]
+    assert got["bytes"] <= bound, (got, bound, elapsed)
+    assert set(codes) <= {"PACED", "RATE_LIMITED", "CLOSED"}, set(codes)
+    for c in codes:
+        rec.saw(c)
+    rec.note += (f"; drained {got['bytes'] / MiB:.1f} MiB in {got['requests']} requests over {elapsed:.0f} s "
+                 f"(bound {bound / MiB:.1f} MiB; past the burst after {halves['bytes']:.0f} s, alice or bob on a "
+                 f"newer version after {halves['honest']:.0f} s)")
 
 
 def test_a_signed_list_bomb_is_refused_from_its_header(mallory, swarm, attack):
