@@ -40,9 +40,11 @@ What a miss costs (tolerance per engine dtype, calibrated at start-up; quarantin
 coordinator/audit_policy.py.
 
 The statistic (`mismatch`): the worst completion's trimmed mean |claimed - recomputed| logprob per token
-(its largest 1 in 16 token differences left out: TRIM_FRACTION; completions under SHORT_TOKENS judged together). Per-completion (not per-batch) so that
-one forged completion among 64 honest ones is not averaged away; a trimmed per-token mean (not max, not
-plain mean) so that an honest token whose logprob is numerically touchy does not decide, however far off. Calibrated by bench/audit_calibration.py; figures in docs/SECURITY.md.
+(its largest 1 in 16 token differences left out: TRIM_FRACTION; completions under SHORT_TOKENS judged
+together). Per-completion (not per-batch) so that one forged completion among 64 honest ones is not
+averaged away; a trimmed per-token mean (not max, not plain mean) so that an honest token whose logprob
+is numerically touchy does not decide, however far off. Calibrated by bench/audit_calibration.py and
+bench/audit_bf16_tail.py; figures in docs/SECURITY.md.
 """
 
 from __future__ import annotations

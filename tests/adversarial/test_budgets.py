@@ -166,12 +166,14 @@ def test_chunk_drain_gets_only_the_strangers_rate(mallory, swarm, attack):
                 if "bytes" in halves and "honest" not in halves and honest_moved_on(at_burst):
                     halves["honest"] = now
                 return len(halves) == 2
-            wait_for(both_halves, 120, "the drain to pass the strangers' burst while alice or bob loads a newer adapter")
+            wait_for(both_halves, 120,
+                     "the drain to pass the strangers' burst while alice or bob loads a newer adapter")
         except AssertionError as exc:  # say which half was missing
             now_loaded = loaded()
             raise AssertionError(f"{exc}: drained {got}, drain threads alive {sum(t.is_alive() for t in threads)}"
                                  f"/{len(threads)}, codes {dict(collections.Counter(codes))}, honest versions "
-                                 f"{versions0} -> {at_burst or '-'} -> {now_loaded}; halves met at {halves}; unanswered: {closed[:5]}") from None
+                                 f"{versions0} -> {at_burst or '-'} -> {now_loaded}; halves met at {halves}; "
+                                 f"unanswered: {closed[:5]}") from None
     finally:
         done.set()
         for t in threads:
