@@ -392,10 +392,10 @@ class Mallory:
 
         A stream that broke with no answer at all (TransportError: 0 bytes back) is sent again, the same
         bytes, as any client would; each such re-send is listed in `swarm.unanswered` (the table's footer).
-        Such streams are lost below the coordinator's handler (p2pd / the control socket: an instrumented
-        soak of 8,059 batches saw 6 of them and no handler that ended without writing its answer), so the
-        copy is the first the coordinator judges; were it not, its answer (NONCE_REUSED, DUPLICATE_BATCH)
-        would differ from what the test expects, and the test would say so."""
+        Such a stream is lost below the coordinator's handler (p2pd / the control socket), before the handler
+        saw it or after it answered (fresh-clone run r1 of adbd091: a copy was accepted, its answer lost, and
+        the re-send came back DUPLICATE_BATCH). A re-send answered DUPLICATE_BATCH with accepted=True is
+        therefore the lost ACCEPTED, exactly as the client's outbox reads it (client/worker.py)."""
         from asyncrl.swarm.transport import TransportError
 
         for attempt in range(attempts):
@@ -410,6 +410,8 @@ class Mallory:
                     raise
                 time.sleep(1.0)
         ack = messages.decode(raw, messages.Ack, max_bytes=64 * 1024)
+        if attempt and ack.accepted and ack.code == "DUPLICATE_BATCH":
+            return "ACCEPTED", ack  # our first send was accepted; its answer was the one lost
         return ("ACCEPTED" if ack.accepted and ack.code is None else ack.code), ack
 
     def deliver(self, ident: Identity, payload: bytes, node=None, attempts: int = 3) -> tuple[str, int]:

@@ -89,6 +89,8 @@ DRAIN_LONG_S = 30.0  # ...or for this long: others (mallory's own follower) shar
 # the drain's own bytes can take 86 s to pass the burst (fresh-clone run r1 of 2026-12-04, quiet)
 
 
+@pytest.mark.quarantined  # fresh-clone run r1 of adbd091: every chunk request of the three fresh strangers was
+# hung up on at once (IncompleteReadError after 0.0 s) for over 30 s, as in CI r2 of 2026-12-01 (docs/testing.md)
 def test_chunk_drain_gets_only_the_strangers_rate(mallory, swarm, attack):
     strangers = [mallory.new_node() for _ in range(3)]  # its own: no state left by the tests above
     rec = attack("chunk drain", f"{len(strangers)} fresh peer ids, 4 requests in flight each, fetch adapter chunks "
