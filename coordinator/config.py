@@ -287,8 +287,8 @@ class CoordinatorConfig:
     (always when n == 0); 1.0 audits every batch."""
     audit_tolerance: float = 0.01
     """Reject when the worst completion's trimmed mean |claimed - recomputed| logprob per token (coordinator/audit.py
-    `mismatch`) exceeds this, for
-    fp32 engines (bench/audit_calibration.py); the floor of the calibrated bf16/fp16 tolerances."""
+    `mismatch`) exceeds this, for fp32 engines (bench/audit_calibration.py); the floor of the calibrated
+    bf16/fp16 tolerances."""
     audit_calibrate: bool = True
     """At start-up, measure how far honest bf16/fp16 engines land from the audit's numbers on samples of
     the current policy, and set their tolerance to max(audit_tolerance, audit_margin x the worst)."""

@@ -423,7 +423,7 @@ class Mallory:
 
         for broke in range(attempts):
             try:
-                code, ack = self.submit(self.seal(ident, payload), node)
+                code, ack = self.submit(self.seal(ident, payload), node, attempts=1)  # this loop re-sends
             except TransportError:
                 if broke == attempts - 1:
                     raise

@@ -157,7 +157,7 @@ def test_chunk_drain_gets_only_the_strangers_rate(mallory, swarm, attack):
 
     t0 = time.monotonic()
     halves: dict[str, float] = {}  # when each half of the condition was first met (s after the start)
-    at_burst: dict[str, int] = {}  # alice's and bob's versions when the strangers' burst was spent
+    at_burst: dict[str, int] = {}  # alice's and bob's versions when the first half was met (burst spent or 30 s)
     threads = [threading.Thread(target=run, args=(n,)) for n in strangers]
     for t in threads:
         t.start()
