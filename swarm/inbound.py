@@ -87,7 +87,7 @@ class InboundStats:
     peak_inflight_bytes: int = 0
     peak_streams: int = 0
     peak_queued: int = 0
-    unlingered: int = 0            # slot refusals closed at once because max_lingering were draining
+    unlingered: int = 0            # streams closed at once because max_lingering were waiting already
     latency_ms: dict[str, deque] = field(default_factory=dict)  # handler -> recent wall times (ms)
 
     def record_latency(self, name: str, ms: float, keep: int = 4096) -> None:
@@ -114,7 +114,7 @@ class InboundGate:
         self.untrusted_bytes = 0
         self.streams = 0
         self.by_peer: dict[str, int] = {}        # open streams, only peers that have some
-        self.lingering = 0                       # slot refusals draining their request (max_lingering)
+        self.lingering = 0                       # streams waiting for their caller's EOF (max_lingering)
         self.bytes_by_peer: dict[str, int] = {}  # reserved bytes, only peers that have some
         self.stats = InboundStats()
 
@@ -141,7 +141,8 @@ class InboundGate:
 
     @contextlib.contextmanager
     def linger_slot(self):
-        """True while a stream refused for want of a slot may drain its request; False beyond max_lingering."""
+        """True while a stream may wait for its caller to hang up (a refusal draining its request, or an answered
+        stream: swarm/transport.py `_linger`); False beyond max_lingering."""
         if self.lingering >= self.limits.max_lingering:
             self.stats.unlingered += 1
             yield False

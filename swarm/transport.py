@@ -128,9 +128,9 @@ LINGER_S = 2.0
 
 
 async def _linger(reader: asyncio.StreamReader) -> None:
-    """After refusing a request unread (banned peer, oversized frame): discard a bounded amount of what
-    the caller is still sending, for a bounded time, so that closing does not reset the stream before it
-    read our answer."""
+    """After answering (or refusing a request unread: banned peer, oversized frame): wait for the caller to
+    hang up, discarding a bounded amount of what it is still sending, for a bounded time, so that closing
+    does not reset the stream before it read our answer."""
     left = LINGER_BYTES
     deadline = time.monotonic() + LINGER_S
     try:
@@ -164,7 +164,6 @@ def stream_handler(gate: InboundGate, name: str, handler: Handler, *, max_reques
         started = monotonic_ms()
         try:
             with gate.stream(peer):  # RATE_LIMITED escapes: answered below without a slot
-                read = False
                 try:
                     if admit is not None:
                         admit(peer)
@@ -175,7 +174,6 @@ def stream_handler(gate: InboundGate, name: str, handler: Handler, *, max_reques
                     with gate.reserve(peer, length):  # held while the handler works on the bytes
                         request = await gate.read_exactly(reader, length, gate.limits.body_deadline_s(length),
                                                           "request body")
-                        read = True
                         response = await (handler(request, peer, str(info.addr)) if with_addr
                                           else handler(request, peer))
                         del request
@@ -189,7 +187,11 @@ def stream_handler(gate: InboundGate, name: str, handler: Handler, *, max_reques
                     writer.write(bytes([STATUS_ERR]) + _frame(f"INTERNAL:{exc.__class__.__name__}".encode()))
                 await asyncio.wait_for(writer.drain(), gate.limits.header_timeout_s)
                 gate.stats.record_latency(name, monotonic_ms() - started)
-                if not read:
+            # Answered: wait for the caller to hang up before closing (bounded, outside the stream slot). If we
+            # close first, p2pd's doStreamPipe can reset the stream while the answer is still in the caller's
+            # receive buffer, and the caller reads 0 bytes (measured: 1 answer in 20,000 lost; docs/transport.md).
+            with gate.linger_slot() as ok:
+                if ok:
                     await _linger(reader)
         except ProtocolError as exc:  # no stream slot: answer without reading the request, then drain it
             # (bounded): closing on unread bytes can make p2pd reset the stream before the caller read the
@@ -277,6 +279,11 @@ def _listen_backlog_patch() -> None:
     control.ControlClient.listen = listen
 
 
+STREAM_LOST_AT = "stream lost while"
+"""Prefix of the note `SwarmNode.acall` adds to a transport error: the phase it happened in (diagnosis of the
+streams p2pd closes with no answer; docs/testing.md)."""
+
+
 class SwarmNode:
     def __init__(self, *, initial_peers: Sequence[str] = (), host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
                  announce_maddrs: Sequence[str] | None = None, identity_path: str | None = None,
@@ -350,11 +357,15 @@ class SwarmNode:
 
         peer = PeerID.from_base58(peer_id)
         try:
-            info, reader, writer = await self.p2p.call_binary_stream_handler(peer, name)
-        except ControlFailure:
-            if not await self._dial_via_relays(peer):
-                raise
-            info, reader, writer = await self.p2p.call_binary_stream_handler(peer, name)
+            try:
+                info, reader, writer = await self.p2p.call_binary_stream_handler(peer, name)
+            except ControlFailure:
+                if not await self._dial_via_relays(peer):
+                    raise
+                info, reader, writer = await self.p2p.call_binary_stream_handler(peer, name)
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:  # which side lost it is a different bug
+            exc.add_note(f"{STREAM_LOST_AT}: opening the stream (our p2pd closed its control connection)")
+            raise
         self._note_path(peer_id, str(info.addr))
 
         async def send() -> None:
@@ -366,9 +377,10 @@ class SwarmNode:
             try:
                 status = await reader.readexactly(1)
                 body = await _read_frame(reader, max_response_bytes)
-            except (asyncio.IncompleteReadError, ConnectionError):
+            except (asyncio.IncompleteReadError, ConnectionError) as exc:
                 if sending.done() and sending.exception() is not None:
                     raise sending.exception() from None  # the write broke first: report that
+                exc.add_note(f"{STREAM_LOST_AT}: awaiting the answer (the stream was open)")
                 raise
             if not sending.done():
                 sending.cancel()  # answered before the server read it all (a refusal): stop sending
@@ -421,7 +433,8 @@ class SwarmNode:
         except ProtocolError:
             raise
         except Exception as exc:  # p2pd control errors, timeouts, broken streams
-            raise TransportError(f"{name} to {peer_id[-8:]}: {exc.__class__.__name__}: {exc}") from None
+            notes = "".join(f" ({n})" for n in getattr(exc, "__notes__", ()))
+            raise TransportError(f"{name} to {peer_id[-8:]}: {exc.__class__.__name__}: {exc}{notes}") from None
 
     # ---- DHT ------------------------------------------------------------------------------
     def _dht_answer(self, what: str, call: Callable[[], Future], timeout: float):

@@ -146,7 +146,8 @@ def test_chunk_drain_gets_only_the_strangers_rate(mallory, swarm, attack):
             except (asyncio.IncompleteReadError, ConnectionError, OSError, ControlFailure) as exc:  # no answer
                 with lock:
                     codes.append("CLOSED")
-                    closed.append(f"{type(exc).__name__}: {str(exc)[:80]} after {time.monotonic() - t_req:.1f}s")
+                    closed.append(f"{type(exc).__name__}: {str(exc)[:80]} after {time.monotonic() - t_req:.1f}s "
+                                  f"({'; '.join(getattr(exc, '__notes__', [])) or 'no phase noted'})")
                 await asyncio.sleep(0.1)
             i += 1
 

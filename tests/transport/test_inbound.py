@@ -12,7 +12,7 @@ import pytest
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.swarm.inbound import BoundedExecutor, InboundGate, InboundLimits
 from asyncrl.swarm.serving import ServeBudget
-from asyncrl.swarm.transport import HEADER, STATUS_OK, stream_handler
+from asyncrl.swarm.transport import HEADER, LINGER_S, STATUS_OK, stream_handler
 
 
 class PeerId:
@@ -179,6 +179,44 @@ def test_a_stream_refused_for_want_of_a_slot_drains_its_request_before_closing()
 
     gate = asyncio.run(go())
     assert gate.lingering == 0 and gate.stats.unlingered == 1 and gate.stats.streams_refused == 2
+
+
+def test_an_answered_stream_is_closed_only_after_the_caller_hung_up():
+    """Closing our end first can make p2pd reset the stream while the answer still sits in the caller's receive
+    buffer (the caller reads 0 bytes; docs/transport.md "Who closes first"): the handler waits for the caller's
+    EOF, outside its stream slot and bounded (max_lingering streams, LINGER_S each)."""
+    gate = InboundGate(InboundLimits(max_streams_per_peer=1, max_lingering=1))
+    on_stream = stream_handler(gate, "t", echo, max_request_bytes=1 << 20)
+
+    async def answered(peer: str):
+        reader = asyncio.StreamReader()
+        reader.feed_data(frame(b"hello"))  # the request; the caller keeps its end open while it reads the answer
+        writer = RecordingWriter()
+        task = asyncio.ensure_future(on_stream(PeerInfo(peer), reader, writer))
+        for _ in range(100):
+            if writer.data:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        return task, reader, writer
+
+    async def go():
+        first, r1, w1 = await answered("a")
+        assert w1.answer() == (STATUS_OK, b"hell") and not w1.closed and not first.done()
+        assert gate.streams == 0 and gate.lingering == 1  # its slot is free: "a"'s next request is not refused
+        second, _, w2 = await answered("a")  # max_lingering = 1 is waiting already: closed at once (counted)
+        await second
+        assert w2.answer() == (STATUS_OK, b"hell") and w2.closed and gate.stats.unlingered == 1
+        r1.feed_eof()  # the caller read its answer and hung up
+        await first
+        assert w1.closed and gate.lingering == 0
+        t0 = time.monotonic()
+        silent, _, w3 = await answered("b")  # a caller that never hangs up is closed after LINGER_S
+        await silent
+        return w3, time.monotonic() - t0
+
+    w3, took = asyncio.run(go())
+    assert w3.closed and LINGER_S - 0.5 < took < LINGER_S + 2
 
 
 def test_bounded_executor_refuses_beyond_its_queue():
