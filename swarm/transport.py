@@ -127,23 +127,25 @@ LINGER_BYTES = 256 * 1024
 LINGER_S = 2.0
 
 
-async def _linger(reader: asyncio.StreamReader) -> None:
+async def _linger(gate: InboundGate, reader: asyncio.StreamReader) -> None:
     """After answering (or refusing a request unread: banned peer, oversized frame): wait for the caller to
     hang up, discarding a bounded amount of what it is still sending, for a bounded time, so that closing
-    does not reset the stream before it read our answer."""
-    left = LINGER_BYTES
-    deadline = time.monotonic() + LINGER_S
-    try:
-        while left > 0:
-            wait = deadline - time.monotonic()
-            if wait <= 0:
-                return
-            chunk = await asyncio.wait_for(reader.read(min(65536, left)), wait)
-            if not chunk:
-                return
-            left -= len(chunk)
-    except (asyncio.TimeoutError, ConnectionError):
-        pass
+    does not reset the stream before it read our answer. At most `max_lingering` streams wait at once (the
+    gate's linger slots); beyond that, return at once."""
+    with gate.linger_slot() as ok:
+        left = LINGER_BYTES if ok else 0
+        deadline = time.monotonic() + LINGER_S
+        try:
+            while left > 0:
+                wait = deadline - time.monotonic()
+                if wait <= 0:
+                    return
+                chunk = await asyncio.wait_for(reader.read(min(65536, left)), wait)
+                if not chunk:
+                    return
+                left -= len(chunk)
+        except (asyncio.TimeoutError, ConnectionError):
+            pass
 
 
 def _frame(data: bytes) -> bytes:
@@ -190,18 +192,14 @@ def stream_handler(gate: InboundGate, name: str, handler: Handler, *, max_reques
             # Answered: wait for the caller to hang up before closing (bounded, outside the stream slot). If we
             # close first, p2pd's doStreamPipe can reset the stream while the answer is still in the caller's
             # receive buffer, and the caller reads 0 bytes (measured: 1 answer in 20,000 lost; docs/transport.md).
-            with gate.linger_slot() as ok:
-                if ok:
-                    await _linger(reader)
+            await _linger(gate, reader)
         except ProtocolError as exc:  # no stream slot: answer without reading the request, then drain it
             # (bounded): closing on unread bytes can make p2pd reset the stream before the caller read the
             # refusal (CI 2026-12-03: 1 of 119 unanswered)
             try:
                 writer.write(_error_frame(exc))
                 await asyncio.wait_for(writer.drain(), 2.0)
-                with gate.linger_slot() as ok:
-                    if ok:
-                        await _linger(reader)
+                await _linger(gate, reader)
             except Exception:
                 pass
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError):
