@@ -38,8 +38,17 @@ from asyncrl.swarm import streams
 LAB_MODEL = "synthetic-qwen2.5-1.5b"
 
 
+_EMIT_LOCK = threading.Lock()
+
+
 def emit(event: str, **fields) -> None:
-    print(json.dumps({"event": event, "t": time.time(), **fields}), flush=True)
+    """One JSON object per line, whole. The presence watcher is a thread beside the control loop, and
+    print() writes the object and its newline as two writes: two events of ~60 KB each (a Sybil flood's
+    presence map, the stats) interleaved mid-line and a reader lost both. One write, under a lock."""
+    line = json.dumps({"event": event, "t": time.time(), **fields}) + "\n"
+    with _EMIT_LOCK:
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
 
 def digest(specs, tensors: dict[str, bytes], algorithm: str = "sha256") -> str:

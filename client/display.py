@@ -23,7 +23,10 @@ class Display:
 
     def event(self, kind: str, message: str, **fields) -> None:
         if self.mode == "json":
-            print(json.dumps({"t": time.time(), "event": kind, "message": message, **fields}), flush=True)
+            # one write per line: print() sends the object and its newline separately, and a line torn by
+            # another writer is lost to every reader of the log (bench/swarmlab.py's emit has the story)
+            sys.stdout.write(json.dumps({"t": time.time(), "event": kind, "message": message, **fields}) + "\n")
+            sys.stdout.flush()
         elif self.mode == "quiet":
             if kind in ("warning", "error"):
                 print(message, file=sys.stderr, flush=True)

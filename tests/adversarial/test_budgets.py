@@ -89,8 +89,6 @@ DRAIN_LONG_S = 30.0  # ...or for this long: others (mallory's own follower) shar
 # the drain's own bytes can take 86 s to pass the burst (fresh-clone run r1 of 2026-12-04, quiet)
 
 
-@pytest.mark.quarantined  # fresh-clone run r1 of adbd091: every chunk request of the three fresh strangers was
-# hung up on at once (IncompleteReadError after 0.0 s) for over 30 s, as in CI r2 of 2026-12-01 (docs/testing.md)
 def test_chunk_drain_gets_only_the_strangers_rate(mallory, swarm, attack):
     strangers = [mallory.new_node() for _ in range(3)]  # its own: no state left by the tests above
     rec = attack("chunk drain", f"{len(strangers)} fresh peer ids, 4 requests in flight each, fetch adapter chunks "
@@ -105,7 +103,7 @@ def test_chunk_drain_gets_only_the_strangers_rate(mallory, swarm, attack):
         return {n: max(swarm.status(n).get("versions_loaded", [0])) for n in swarm.honest}
 
     versions0 = loaded()
-    got = {"bytes": 0, "requests": 0, "largest": 0}
+    got = {"bytes": 0, "requests": 0, "largest": 0, "stale": 0}
     codes: list[str] = []
     closed: list[str] = []  # how each unanswered request ended (a failure says)
     lock, done = threading.Lock(), threading.Event()
@@ -119,13 +117,12 @@ def test_chunk_drain_gets_only_the_strangers_rate(mallory, swarm, attack):
     from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure  # p2pd could not open the stream
 
     async def drain(node):
-        manifest, i = first, 0
+        version, chunks, i = first.version, len(first.chunk_hashes), 0
         while not done.is_set():
             t_req = time.monotonic()
             try:
                 data = await node.acall(swarm.coordinator_peer, stream_name(RUN_ID, "chunk"),
-                                        chunk_request(manifest.version, i % len(manifest.chunk_hashes)),
-                                        max_response_bytes=manifest.chunk_bytes)
+                                        chunk_request(version, i % chunks), max_response_bytes=first.chunk_bytes)
                 with lock:
                     if got["bytes"] >= SERVE_BURST:
                         codes.append("PACED")
@@ -133,8 +130,13 @@ def test_chunk_drain_gets_only_the_strangers_rate(mallory, swarm, attack):
                     got["requests"] += 1
                     got["largest"] = max(got["largest"], len(data))
             except ProtocolError as exc:
-                if exc.code.value == "STALE_VERSION":  # the coordinator pruned it: drain its newest instead
-                    manifest = mallory.sync.current.manifest
+                if exc.code.value == "STALE_VERSION":  # the coordinator pruned it: drain chunk 0 of its newest
+                    # (every version has one). Not mallory's follower's version: she shares the strangers' rate,
+                    # so under load the drain starves her and she holds a pruned version too, and the drain spun
+                    # here (fits a run beside two CPU hogs: 0 requests served, 0 hang-ups; 2026-12-05).
+                    with lock:
+                        got["stale"] += 1
+                    version, chunks = await asyncio.to_thread(swarm.current_version), 1
                     await asyncio.sleep(0.1)
                     continue
                 with lock:
@@ -188,7 +190,8 @@ def test_chunk_drain_gets_only_the_strangers_rate(mallory, swarm, attack):
     # What the strangers could take, all peer ids together: the burst, the rate, and one chunk per request in flight.
     bound = SERVE_BURST + SERVE_NEW_BPS * elapsed + 4 * len(strangers) * got["largest"]
     assert got["bytes"] <= bound, (got, bound, elapsed)
-    assert got["requests"] > 0, (got, closed[:5])  # it was served at all (a coordinator hanging up on all would pass)
+    # it was served at all (a coordinator hanging up on all would pass)
+    assert got["requests"] > 0, (got, dict(collections.Counter(codes)), closed[:5])
     assert set(codes) <= {"PACED", "RATE_LIMITED", "CLOSED"}, set(codes)
     for c in codes:
         rec.saw(c)

@@ -18,16 +18,12 @@ Each prints one JSON line per result.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 
 from asyncrl.swarm.streams import stream_name
-
-
-def emit(event: str, **fields) -> None:
-    print(json.dumps({"event": event, "t": time.time(), **fields}), flush=True)
+from bench.swarmlab import emit
 
 
 def tamper(argv: list[str]) -> int:
