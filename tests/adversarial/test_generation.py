@@ -72,36 +72,43 @@ def test_fabricated_completions(mallory, attack):
 
 
 def test_completions_from_another_adapter_version(mallory, swarm, attack):
-    rec = attack("wrong adapter version", "generated with an old version but claimed current; and the reverse")
+    rec = attack("wrong adapter version", "generated with an old version but claimed current; and the reverse "
+                 "(each verdict checked against what the claimed version itself assigns her tokens)")
     oldest = min(mallory.adapters)
     mallory.follow(at_least=max(oldest + 3, 8))  # let the policy move on from what she kept
     # (a) old tokens and logprobs, claimed as the current version (dodging the staleness bound)
     ident = Identity.generate()
     with mallory.leased(ident, 1) as leases:
         groups = mallory.generate(leases, mallory.adapters[oldest])
-        sealed = mallory.seal(ident, messages.encode(mallory.batch(groups, mallory.swarm.current_version())))
+        claim = swarm.current_version()
+        claimed = audit_copy(swarm, claim)
+        sealed = mallory.seal(ident, messages.encode(mallory.batch(groups, claim)))
         code = mallory.final_code(sealed)
-    rec.saw(code)
-    assert code == "LOGPROB_MISMATCH", mallory.swarm.explain(batch_id_of(sealed))
+    truth = claimed_version_mismatch(mallory, groups, claimed)
+    expect_verdict(rec, code, truth, f"hers v{oldest}, claimed v{claim}", swarm, sealed)
     # (b) her newest tokens, claimed as another version that is still held (max_staleness is 16 here).
-    # Far apart: late in training adjacent versions can be closer than the tolerance — and
-    # then the claim is also harmless (docs/SECURITY.md); the calibration covers 1-4 apart early on.
+    # Far apart; still, late in training versions can be closer than the tolerance (CI on 12c2794: hers
+    # v131, claimed v123, accepted) — and then the claim is also harmless (docs/SECURITY.md).
     ident = Identity.generate()
     with mallory.leased(ident, 1) as leases:
         mine = published(mallory)
         groups = mallory.generate(leases, mine)
+        own = audit_copy(swarm, mine.version)
         claim = far_held_version(swarm, mine.version)
+        claimed = audit_copy(swarm, claim)
         sealed = mallory.seal(ident, messages.encode(mallory.batch(groups, claim)))
         code = mallory.final_code(sealed)
-    rec.saw(code)
-    assert code == "LOGPROB_MISMATCH", f"hers v{mine.version}, claimed v{claim}: {swarm.explain(batch_id_of(sealed))}"
+    honest = claimed_version_mismatch(mallory, groups, own)  # the yardstick itself: her own version is hers
+    assert honest < 1e-4, f"her tokens under her own v{mine.version}: {honest:.3g}, not ~0"
+    truth = claimed_version_mismatch(mallory, groups, claimed)
+    expect_verdict(rec, code, truth, f"hers v{mine.version}, claimed v{claim}", swarm, sealed)
 
 
 def far_held_version(swarm, mine: int) -> int:
     """The version farthest from `mine` among those the coordinator will still hold when her batch arrives.
 
     Chosen from the learner's version read just before sealing, not from the version she generated with:
-    the learner publishes about a version a second here, so a claim fixed before generating (mine - 8)
+    the learner publishes one to four versions a second here, so a claim fixed before generating (mine - 8)
     went stale under load while she generated (CI on 6db31f3: ACCEPTED). A window of max_staleness - 6
     leaves six versions for sealing and submitting; at least 5 apart inside it whatever `mine` is."""
     now = swarm.current_version()
@@ -109,6 +116,74 @@ def far_held_version(swarm, mine: int) -> int:
     claim = max(held, key=lambda v: abs(v - mine))
     assert abs(claim - mine) >= 5, (mine, now)
     return claim
+
+
+NOISE = 2e-3
+"""How far the audit's statistic may sit from `claimed_version_mismatch` on the same batch. The shadow path
+loads the very tensors read here (float noise, about 1e-7); a claim of the learner's current version is
+judged on the learner's own pass, whose fp32 LoRA weights differ from the published bf16 ones by up to
+1.5e-3 on honest batches (docs/SECURITY.md, calibration table), and is re-checked on the shadow only when
+it fails there."""
+
+
+def expect_verdict(rec, code: str, truth: float, what: str, swarm, sealed: bytes) -> None:
+    """The audit's verdict must be what the claimed version's own logprobs say: rejected when hers are off
+    by more than the tolerance, accepted (harmless: the learner computes the same numbers, within the
+    tolerance) when not. Only a claim within NOISE of the tolerance may go either way; the table's note
+    says which case each claim was."""
+    tolerance = float(swarm.trust()["audit"]["tolerance"])
+    detail = f"{what}: true mismatch {truth:.4g} (tolerance {tolerance:g}): {swarm.explain(batch_id_of(sealed))}"
+    if truth > tolerance + NOISE:
+        case, expected = "off", ("LOGPROB_MISMATCH",)
+    elif truth < tolerance - NOISE:
+        case, expected = "within the tolerance: harmless", ("ACCEPTED",)
+    else:
+        case, expected = "at the tolerance: either verdict", ("ACCEPTED", "LOGPROB_MISMATCH")
+    rec.saw(code, rejected=code != "ACCEPTED")
+    rec.note = (rec.note + "; " if rec.note else "") + f"{what}: mismatch {truth:.2g} ({case})"
+    assert code in expected, detail
+
+
+def audit_copy(swarm, version: int) -> dict:
+    """The published LoRA tensors of `version` as the coordinator's audit keeps them
+    (`<run_dir>/audit_versions/`, exactly what its shadow model loads; written before the version is
+    visible, pruned a few seconds after it leaves the held window): read at once, judged later."""
+    from safetensors.torch import load_file
+
+    path = swarm.run / "audit_versions" / f"v{version:010d}.safetensors"
+    assert path.exists(), f"v{version} is not in the audit store: {sorted(p.name for p in path.parent.iterdir())}"
+    return load_file(str(path))
+
+
+def claimed_version_mismatch(mallory, groups, tensors: dict) -> float:
+    """What the audit should measure for `groups` claimed as the version whose published `tensors` these are,
+    computed independently of it: her tokens teacher-forced through her engine's model carrying those
+    tensors, compared with the logprobs she reported by the audit's own statistic (`audit.mismatch`)."""
+    import torch
+
+    from asyncrl.client.engine import processed_logprobs
+    from asyncrl.coordinator.audit import mismatch
+    from asyncrl.models.lora import load_lora
+
+    engine = mallory.engine
+    load_lora(engine.model, {k: v.to(engine.dtype) for k, v in tensors.items()})
+    engine.version = None  # her next generate() loads her own adapter back
+    sampling = mallory.batch(groups, 0).sampling
+    recomputed, claimed = [], []
+    with torch.no_grad():
+        for g in groups:
+            prompt = np.frombuffer(g.prompt_token_ids, dtype="<i4").tolist()
+            for c in g.completions:
+                tokens = np.frombuffer(c.token_ids, dtype="<i4").tolist()
+                logits = engine.model(input_ids=torch.tensor([prompt + tokens])).logits[0].float()
+                logps = processed_logprobs(logits[len(prompt) - 1:-1], sampling)
+                recomputed.append(logps.gather(1, torch.tensor(tokens)[:, None]).squeeze(1))
+                claimed.append(torch.from_numpy(np.frombuffer(c.logprobs, dtype="<f4").copy()))
+    width = max(len(r) for r in recomputed)
+
+    def rows(xs):
+        return torch.stack([torch.nn.functional.pad(x, (0, width - len(x))) for x in xs])
+    return mismatch(rows(recomputed), rows(claimed), rows([torch.ones(len(r)) for r in recomputed]))
 
 
 def test_completions_from_another_base_model(mallory, attack):
