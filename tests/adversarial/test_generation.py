@@ -20,8 +20,10 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
 from asyncrl.protocol import messages
+from asyncrl.models.lora import tensors_from_bytes
 from asyncrl.protocol.identity import Identity
 
 from tests.adversarial.swarm import MAX_STALENESS, batch_id_of, completion, replace_completions
@@ -93,13 +95,17 @@ def test_completions_from_another_adapter_version(mallory, swarm, attack):
     with mallory.leased(ident, 1) as leases:
         mine = published(mallory)
         groups = mallory.generate(leases, mine)
-        own = audit_copy(swarm, mine.version)
         claim = far_held_version(swarm, mine.version)
         claimed = audit_copy(swarm, claim)
+        stored = audit_copy(swarm, mine.version, missing_ok=True)  # gone when her follower lags far behind
         sealed = mallory.seal(ident, messages.encode(mallory.batch(groups, claim)))
         code = mallory.final_code(sealed)
-    honest = claimed_version_mismatch(mallory, groups, own)  # the yardstick itself: her own version is hers
+    # the yardstick itself: her tokens under the tensors she generated with are hers, and the audit store
+    # holds those very tensors for her version
+    own = tensors_from_bytes(mine.manifest.tensors, mine.tensors)
+    honest = claimed_version_mismatch(mallory, groups, own)
     assert honest < 1e-4, f"her tokens under her own v{mine.version}: {honest:.3g}, not ~0"
+    assert stored is None or (stored.keys() == own.keys() and all(torch.equal(stored[k], own[k]) for k in own))
     truth = claimed_version_mismatch(mallory, groups, claimed)
     expect_verdict(rec, code, truth, f"hers v{mine.version}, claimed v{claim}", swarm, sealed)
 
@@ -144,23 +150,25 @@ def expect_verdict(rec, code: str, truth: float, what: str, swarm, sealed: bytes
     assert code in expected, detail
 
 
-def audit_copy(swarm, version: int) -> dict:
+def audit_copy(swarm, version: int, missing_ok: bool = False) -> dict | None:
     """The published LoRA tensors of `version` as the coordinator's audit keeps them
     (`<run_dir>/audit_versions/`, exactly what its shadow model loads; written before the version is
     visible, pruned a few seconds after it leaves the held window): read at once, judged later."""
     from safetensors.torch import load_file
 
     path = swarm.run / "audit_versions" / f"v{version:010d}.safetensors"
-    assert path.exists(), f"v{version} is not in the audit store: {sorted(p.name for p in path.parent.iterdir())}"
-    return load_file(str(path))
+    try:
+        return load_file(str(path))
+    except FileNotFoundError:
+        if missing_ok:
+            return None
+        raise AssertionError(f"v{version} is not in the audit store: {sorted(p.name for p in path.parent.iterdir())}")
 
 
 def claimed_version_mismatch(mallory, groups, tensors: dict) -> float:
     """What the audit should measure for `groups` claimed as the version whose published `tensors` these are,
     computed independently of it: her tokens teacher-forced through her engine's model carrying those
     tensors, compared with the logprobs she reported by the audit's own statistic (`audit.mismatch`)."""
-    import torch
-
     from asyncrl.client.engine import processed_logprobs
     from asyncrl.coordinator.audit import mismatch
     from asyncrl.models.lora import load_lora
