@@ -32,23 +32,18 @@ import time
 import zlib
 from pathlib import Path
 
+from asyncrl.client.display import write_json_line
 from asyncrl.protocol.atomic import write_json_atomic
 from asyncrl.swarm import streams
 
 LAB_MODEL = "synthetic-qwen2.5-1.5b"
 
 
-_EMIT_LOCK = threading.Lock()
-
-
 def emit(event: str, **fields) -> None:
-    """One JSON object per line, whole. The presence watcher is a thread beside the control loop, and
-    print() writes the object and its newline as two writes: two events of ~60 KB each (a Sybil flood's
-    presence map, the stats) interleaved mid-line and a reader lost both. One write, under a lock."""
-    line = json.dumps({"event": event, "t": time.time(), **fields}) + "\n"
-    with _EMIT_LOCK:
-        sys.stdout.write(line)
-        sys.stdout.flush()
+    """One JSON object per line, whole (`client.display.write_json_line`: one write, under a lock). The
+    presence watcher is a thread beside the control loop, and print() wrote two events of ~60 KB each (a
+    Sybil flood's presence map, the stats) interleaved mid-line: a reader lost both."""
+    write_json_line({"event": event, "t": time.time(), **fields})
 
 
 def digest(specs, tensors: dict[str, bytes], algorithm: str = "sha256") -> str:

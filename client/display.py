@@ -8,7 +8,21 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
+
+_LINE_LOCK = threading.Lock()
+
+
+def write_json_line(obj: dict) -> None:
+    """One JSON object per line on stdout, whole: one write, under a lock, then a flush. print() writes the
+    object and its newline as two writes, and TextIOWrapper is not thread-safe: two threads' lines (the
+    volunteer's worker and its helpers; the lab's presence watcher and control loop) interleaved mid-line
+    and every reader of the log lost both (bench/swarmlab.py's emit, tests/transport/test_lab_events.py)."""
+    line = json.dumps(obj) + "\n"
+    with _LINE_LOCK:
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
 
 class Display:
@@ -23,10 +37,7 @@ class Display:
 
     def event(self, kind: str, message: str, **fields) -> None:
         if self.mode == "json":
-            # one write per line: print() sends the object and its newline separately, and a line torn by
-            # another writer is lost to every reader of the log (bench/swarmlab.py's emit has the story)
-            sys.stdout.write(json.dumps({"t": time.time(), "event": kind, "message": message, **fields}) + "\n")
-            sys.stdout.flush()
+            write_json_line({"t": time.time(), "event": kind, "message": message, **fields})
         elif self.mode == "quiet":
             if kind in ("warning", "error"):
                 print(message, file=sys.stderr, flush=True)
