@@ -147,6 +147,11 @@ def mismatch(recomputed: torch.Tensor, claimed: torch.Tensor, mask: torch.Tensor
     return float(per_row.max()) if per_row.numel() else 0.0
 
 
+def stored_version_path(store_dir: Path, version: int) -> Path:
+    """Where the audit store keeps a published version's tensors (`<run_dir>/audit_versions/`)."""
+    return Path(store_dir) / f"v{version:010d}.safetensors"
+
+
 class Auditor:
     """Decides which batches to audit, keeps the adapter versions to audit against, runs the checks."""
 
@@ -233,7 +238,7 @@ class Auditor:
         from asyncrl.protocol.atomic import write_atomic
 
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(self.store_dir / f"v{version:010d}.safetensors",
+        write_atomic(stored_version_path(self.store_dir, version),
                      save({k: v.contiguous() for k, v in tensors.items()}))
         for path in self.store_dir.glob("v*.safetensors"):
             try:

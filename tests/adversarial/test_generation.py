@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.protocol import messages
 from asyncrl.models.lora import tensors_from_bytes
+from asyncrl.protocol import messages
 from asyncrl.protocol.identity import Identity
 
 from tests.adversarial.swarm import MAX_STALENESS, batch_id_of, completion, replace_completions
@@ -156,7 +156,9 @@ def audit_copy(swarm, version: int, missing_ok: bool = False) -> dict | None:
     visible, pruned a few seconds after it leaves the held window): read at once, judged later."""
     from safetensors.torch import load_file
 
-    path = swarm.run / "audit_versions" / f"v{version:010d}.safetensors"
+    from asyncrl.coordinator.audit import stored_version_path
+
+    path = stored_version_path(swarm.run / "audit_versions", version)
     try:
         return load_file(str(path))
     except FileNotFoundError:
