@@ -16,6 +16,9 @@ themselves are pure and live in `asyncrl.protocol.swarm`. Components:
                         MAX_RECORDS_PER_SHARD verified per shard.
   PresenceTracker       coordinator side: reads every shard (jittered), reports each volunteer's version lag,
                         and remembers where the volunteers it vouches for actually connect from (peers.json).
+                        A record missing from one read (a shard lookup that timed out under load, or a
+                        flood) is kept until swarm.PRESENCE_TTL_S after it was first read: only expiry
+                        forgets a volunteer, so the ProviderDesk does not drop a vouched seeder on a bad read.
 
 Call-backs after a restart dial only addresses p2pd *observed* on an authenticated connection of a peer
 the coordinator vouches for — never the addresses a record claims: a presence record is signed by its
@@ -255,6 +258,38 @@ def read_presence(node, run_id: str, *, shards=None, now: float | None = None,
     return out
 
 
+def carry_presence(held: dict[str, swarm.PresenceRecord], first_read: dict[str, tuple[float, float]],
+                   read: dict[str, swarm.PresenceRecord], now: float):
+    """Merge one read of the presence shards into what the tracker holds -> (records, first_read).
+
+    A record read now replaces an older one of the same peer; a held record the read missed is kept while
+    `now` (a local monotonic clock) is within swarm.PRESENCE_TTL_S of when that record was first read: it was
+    in the DHT then, and its DHT entry expires at most that long after it was stored, so this is skew-proof
+    (the peer's own `last_seen` clock is not trusted for it). Per shard, at most MAX_RECORDS_PER_SHARD are
+    held, the ones just read first, so memory stays bounded whatever a flood of rotating keys does."""
+    records = dict(read)
+    stamps = {}
+    for peer, record in read.items():
+        old = held.get(peer)
+        if old is not None and old.last_seen > record.last_seen:
+            records[peer] = record = old  # a lagging replica answered: keep the newer record
+        seen = first_read.get(peer)
+        stamps[peer] = seen if seen is not None and seen[0] == record.last_seen else (record.last_seen, now)
+    per_shard: dict[int, int] = {}
+    for peer in records:
+        shard = swarm.presence_shard(peer)
+        per_shard[shard] = per_shard.get(shard, 0) + 1
+    carried = sorted((p for p in held if p not in records and p in first_read
+                      and now - first_read[p][1] <= swarm.PRESENCE_TTL_S),
+                     key=lambda p: -first_read[p][1])
+    for peer in carried:
+        shard = swarm.presence_shard(peer)
+        if per_shard.get(shard, 0) < swarm.MAX_RECORDS_PER_SHARD:
+            per_shard[shard] = per_shard.get(shard, 0) + 1
+            records[peer], stamps[peer] = held[peer], first_read[peer]
+    return records, stamps
+
+
 def _count(stats: dict | None, key: str, n: int = 1) -> None:
     if stats is not None:
         stats[key] = stats.get(key, 0) + n
@@ -274,7 +309,7 @@ class PresenceTracker:
     def __init__(self, node, run_id: str, *, every_s: float = TRACK_EVERY_S,
                  save_peers: Callable[[dict[str, list[str]]], None] | None = None,
                  load_peers: Callable[[], dict[str, list[str]]] | None = None,
-                 keep: Callable[[str], bool] | None = None):
+                 keep: Callable[[str], bool] | None = None, clock=time.monotonic):
         self.node, self.run_id, self.every_s = node, run_id, every_s
         self.save_peers, self.load_peers = save_peers, load_peers
         self.keep = keep or (lambda peer: False)
@@ -283,7 +318,9 @@ class PresenceTracker:
         self.read_stats: dict[str, int] = {}
         self.reads = 0
         self._records: dict[str, swarm.PresenceRecord] = {}
+        self._first_read: dict[str, tuple[float, float]] = {}  # peer -> (record's last_seen, monotonic first read)
         self._lock = threading.Lock()
+        self._clock = clock
         self._stop = threading.Event()
         self.on_refresh: Callable[[], None] | None = None  # e.g. the ProviderDesk's probe round
         self._thread = threading.Thread(target=self._loop, name="presence-tracker", daemon=True)
@@ -310,7 +347,8 @@ class PresenceTracker:
         records = read_presence(self.node, self.run_id, stats=self.read_stats)
         self.reads += 1
         with self._lock:
-            self._records = records
+            self._records, self._first_read = carry_presence(self._records, self._first_read, records,
+                                                             self._clock())
         if self.save_peers is not None:
             try:
                 observed = self.node.connected_peers()

@@ -310,3 +310,92 @@ def test_a_shard_record_is_valid_only_under_its_own_key():
             assert e.code == RejectCode.MALFORMED
         else:
             raise AssertionError(f"shard fields {bad} were accepted")
+
+
+class PresenceShards:
+    """A node whose presence shards hold what `announce` put there; `fail` makes the next read raise (a
+    get_many that timed out), `hide` leaves some peers' shards out of the next reads (lookups that failed)."""
+
+    def __init__(self):
+        self.shards: dict[str, dict[str, bytes]] = {}
+        self.fail, self.hide = False, set()
+
+    def announce(self, identity: Identity, last_seen: float | None = None) -> None:
+        record = swarm.PresenceRecord(run_id=RUN, peer_id=identity.peer_id, name="x", adapter_version=0,
+                                      versions=(0,), serving=True, upload_bps=0, throughput=0.0,
+                                      last_seen=time.time() if last_seen is None else last_seen)
+        key = swarm.presence_key(RUN, swarm.presence_shard(identity.peer_id))
+        self.shards.setdefault(key, {})[identity.peer_id] = swarm.seal_presence(identity, record)
+
+    def get_many(self, keys):
+        if self.fail:
+            raise TimeoutError("get_many timed out")
+        hidden = {swarm.presence_key(RUN, swarm.presence_shard(p)) for p in self.hide}
+        return {k: dict(self.shards[k]) for k in keys if k in self.shards and k not in hidden}
+
+
+def test_a_missed_presence_read_does_not_unvouch_a_seeder_only_expiry_does():
+    """Under a flood (or any load) a shard lookup can fail; the CI run of 2026-12-06 lost its seeders that way
+    and sent one version 4x from the coordinator. A vouched peer must survive bad reads until its record's TTL."""
+    from asyncrl.swarm.records import PresenceTracker
+
+    alice, bob = Identity.generate(), Identity.generate()
+    shards = PresenceShards()
+    for who in (alice, bob):
+        shards.announce(who)
+    clock = [1000.0]
+    tracker = PresenceTracker(shards, RUN, clock=lambda: clock[0])
+    node = ScriptedSwarm(honest=[alice.peer_id, bob.peer_id])
+    desk = ProviderDesk(node, COORD, RUN, tracker)
+    tracker.refresh()
+    desk.probe_round()
+    assert desk.vouched(alice.peer_id) and desk.vouched(bob.peer_id)
+
+    shards.fail = True  # the whole read failed
+    clock[0] += 5
+    tracker.refresh()
+    shards.fail, shards.hide = False, {alice.peer_id}  # then alice's shard could not be looked up
+    clock[0] += 5
+    tracker.refresh()
+    assert set(tracker.records()) == {alice.peer_id, bob.peer_id}
+    desk.probe_round()
+    desk.on_publish(1)
+    assert desk.last_record.seeders == tuple(sorted([alice.peer_id, bob.peer_id]))
+
+    shards.announce(bob)  # bob re-announces (a newer record); alice's stays unread past its TTL
+    clock[0] = 1000.0 + swarm.PRESENCE_TTL_S - 1
+    tracker.refresh()
+    assert set(tracker.records()) == {alice.peer_id, bob.peer_id}  # alice: first read 29 s ago, still live
+    clock[0] = 1000.0 + swarm.PRESENCE_TTL_S + 1
+    tracker.refresh()
+    assert set(tracker.records()) == {bob.peer_id}  # expired: only now forgotten
+    desk.probe_round()
+    desk.on_publish(2)
+    assert desk.last_record.seeders == (bob.peer_id,)
+
+
+def test_carried_presence_keeps_the_newest_record_and_the_per_shard_bound(monkeypatch):
+    from asyncrl.swarm.records import carry_presence
+
+    def record(ident, last_seen):
+        return swarm.PresenceRecord(run_id=RUN, peer_id=ident.peer_id, name="x", adapter_version=0, versions=(0,),
+                                    serving=True, upload_bps=0, throughput=0.0, last_seen=last_seen)
+
+    alice = Identity.generate()
+    held, stamps = carry_presence({}, {}, {alice.peer_id: record(alice, 50.0)}, now=0.0)
+    held, stamps = carry_presence(held, stamps, {alice.peer_id: record(alice, 40.0)}, now=1.0)  # a lagging replica
+    assert held[alice.peer_id].last_seen == 50.0 and stamps[alice.peer_id] == (50.0, 0.0)
+    held, stamps = carry_presence(held, stamps, {alice.peer_id: record(alice, 58.0)}, now=8.0)
+    assert stamps[alice.peer_id] == (58.0, 8.0)  # a new record restarts the carry clock
+
+    monkeypatch.setattr(swarm, "MAX_RECORDS_PER_SHARD", 2)
+    same: list[Identity] = []
+    while len(same) < 3:  # three peers of one shard
+        ident = Identity.generate()
+        if swarm.presence_shard(ident.peer_id) == swarm.presence_shard(alice.peer_id):
+            same.append(ident)
+    held, stamps = carry_presence(held, stamps, {same[0].peer_id: record(same[0], 60.0),
+                                                 same[1].peer_id: record(same[1], 60.0)}, now=9.0)
+    assert set(held) == {same[0].peer_id, same[1].peer_id}  # the shard is full with what was just read
+    held, stamps = carry_presence(held, stamps, {same[2].peer_id: record(same[2], 61.0)}, now=10.0)
+    assert len(held) == 2 and same[2].peer_id in held
