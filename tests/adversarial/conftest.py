@@ -1,4 +1,5 @@
-"""Fixtures: one swarm (coordinator + alice + bob, real processes) and one mallory for the whole package.
+"""Fixtures: one swarm (coordinator + alice + bob, real processes) and one mallory for the whole package
+(the nodes a test adds to her are shut down when that test ends).
 
 `attack(name, description)` opens an AttackRecord for the table in docs/SECURITY.md and, when the test
 ends, checks that alice's and bob's books show no rejected batch (the honest loss must stay 0).
@@ -57,11 +58,21 @@ def swarm(tmp_path_factory):
 
 
 @pytest.fixture(scope="package")  # torn down (processes reaped) after the suite
-def mallory(swarm):
+def package_mallory(swarm):
     m = Mallory(swarm)
     m.follow()
     yield m
     m.close()
+
+
+@pytest.fixture
+def mallory(package_mallory):
+    """The package's mallory; the extra nodes (own DHT process and p2pd each) a test gave her are shut down
+    when it ends. Kept until the package ended, they piled up: ~13 live DHT nodes a third of the way through
+    the suite (CI run q2 of 2026-12-06), each serving the swarm's DHT and loading both cores."""
+    before = len(package_mallory.extra_nodes)
+    yield package_mallory
+    package_mallory.close_extra_nodes(before)
 
 
 @pytest.fixture

@@ -192,14 +192,17 @@ class Mallory:
         self.follow_warnings: collections.deque = collections.deque(maxlen=8)  # (time, her follower's warning)
 
     # ---- tools ----------------------------------------------------------------------------------
-    def new_node(self):
+    def new_node(self, track: bool = True):
+        """A node with a fresh peer id. `track`: shut down when the test ends (the `mallory` fixture); a
+        module-scoped fixture passes False and shuts it down itself."""
         from asyncrl.swarm.transport import SwarmNode
 
         node = SwarmNode(initial_peers=[self.swarm.join])
-        self.extra_nodes.append(node)
+        if track:
+            self.extra_nodes.append(node)
         return node
 
-    def own_node(self, ident: Identity):
+    def own_node(self, ident: Identity, track: bool = True):
         """A node whose peer id is `ident`'s key, as a real volunteer's is (its requests are its own)."""
         import tempfile
 
@@ -209,7 +212,8 @@ class Mallory:
         ident.write_libp2p_identity(path)
         node = SwarmNode(initial_peers=[self.swarm.join], identity_path=str(path))
         assert node.peer_id == ident.peer_id
-        self.extra_nodes.append(node)
+        if track:
+            self.extra_nodes.append(node)
         return node
 
     def stall(self, name: str, header_length: int, count: int, node=None, *, drip_bps: int = 0,
@@ -474,13 +478,22 @@ class Mallory:
         assert status == 1, "the oversized request was answered as if it were accepted"
         return answer.decode(errors="replace").partition(":")[0]
 
-    def close(self) -> None:
-        self.sync.stop()
-        for node in [self.node, *self.extra_nodes]:
+    def close_extra_nodes(self, keep: int = 0) -> None:
+        """Shut down the extra nodes past the first `keep` (those a test added), each in turn."""
+        while len(self.extra_nodes) > keep:
+            node = self.extra_nodes.pop()
             try:
                 node.shutdown()
             except Exception:
                 pass
+
+    def close(self) -> None:
+        self.sync.stop()
+        self.close_extra_nodes()
+        try:
+            self.node.shutdown()
+        except Exception:
+            pass
 
 
 def batch_id_of(sealed: bytes) -> bytes:

@@ -32,9 +32,12 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def strangers(mallory):
-    """Three fresh peer ids of mallory's (peer ids are free to mint)."""
-    return [mallory.new_node() for _ in range(3)]
+def strangers(package_mallory):
+    """Three fresh peer ids of mallory's (peer ids are free to mint), for this module's tests."""
+    nodes = [package_mallory.new_node(track=False) for _ in range(3)]
+    yield nodes
+    for node in nodes:
+        node.shutdown()
 
 
 def test_many_peer_ids_cannot_hold_the_byte_budget(mallory, swarm, strangers, attack):

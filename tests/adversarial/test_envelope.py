@@ -123,8 +123,10 @@ MALFORMED_CODES = {"MALFORMED", "SIGNATURE_MISMATCH", "UNSUPPORTED_VERSION", "PA
 
 
 @pytest.fixture(scope="module")
-def fuzz_node(mallory):
-    return mallory.new_node()  # garbage earns peer strikes: keep them off mallory's main node
+def fuzz_node(package_mallory):
+    node = package_mallory.new_node(track=False)  # garbage earns peer strikes: keep them off mallory's main node
+    yield node
+    node.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -116,11 +116,16 @@ def far_held_version(swarm, mine: int) -> int:
     Chosen from the learner's version read just before sealing, not from the version she generated with:
     the learner publishes one to four versions a second here, so a claim fixed before generating (mine - 8)
     went stale under load while she generated (CI on 6db31f3: ACCEPTED). A window of max_staleness - 6
-    leaves six versions for sealing and submitting; at least 5 apart inside it whatever `mine` is."""
+    leaves six versions for sealing and submitting; at least 5 apart inside it whatever `mine` is.
+
+    Only versions the audit store holds: a version the publisher superseded while queued (latest wins) is
+    never published, so the window has gaps (a local run of 2026-12-06 chose v173, which never existed)."""
     now = swarm.current_version()
-    held = range(max(1, now - (MAX_STALENESS - 6)), now + 1)
+    store = swarm.run / "audit_versions"
+    published = {int(p.stem[1:]) for p in store.glob("v*.safetensors") if p.stem[1:].isdigit()}
+    held = [v for v in range(max(1, now - (MAX_STALENESS - 6)), now + 1) if v in published]
     claim = max(held, key=lambda v: abs(v - mine))
-    assert abs(claim - mine) >= 5, (mine, now)
+    assert abs(claim - mine) >= 5, (mine, now, held)
     return claim
 
 

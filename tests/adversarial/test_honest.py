@@ -22,16 +22,18 @@ BF16_BATCHES = 12
 
 
 @pytest.fixture(scope="module")
-def bea(mallory):
-    """An honest volunteer run from the test process: her own key, her own peer id, an engine in bf16."""
+def bea(package_mallory):
+    """An honest volunteer run from the test process: her own key, her own peer id, an engine in bf16 (her
+    node lives as long as this module's tests)."""
     from asyncrl.client.engine import TransformersEngine
     from asyncrl.models import tinymodel
 
     ident = Identity.generate()
-    node = mallory.own_node(ident)
+    node = package_mallory.own_node(ident, track=False)
     path = tinymodel.write_tiny_model(tinymodel.default_tiny_model_dir())
-    engine = TransformersEngine(str(path), mallory.sync.current.manifest.lora, seed=21, dtype=torch.bfloat16)
-    return ident, node, engine
+    engine = TransformersEngine(str(path), package_mallory.sync.current.manifest.lora, seed=21, dtype=torch.bfloat16)
+    yield ident, node, engine
+    node.shutdown()
 
 
 def bea_batch(mallory, bea, n=2) -> tuple[bytes, bytes]:
