@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     from asyncrl import tasks
     from asyncrl.client.engine import TransformersEngine
     from asyncrl.coordinator import audit as audit_mod
-    from asyncrl.coordinator.audit import Auditor
+    from asyncrl.coordinator.audit import Auditor, stored_versions
     from asyncrl.coordinator.config_file import resolve_config
     from asyncrl.coordinator.learner import Learner, TrainGroup
     from asyncrl.coordinator.service import CALIBRATION_PROMPTS, CALIBRATION_TOKENS
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     from asyncrl.protocol.messages import LoraSpec, SamplingParams
 
     torch.set_num_threads(1)
-    files = sorted(Path(args.run_dir, "audit_versions").glob("v*.safetensors"))
+    files = stored_versions(Path(args.run_dir, "audit_versions"))
     if not files:
         ap.error(f"no kept versions under {args.run_dir}/audit_versions")
     cfg = resolve_config({"model": "tiny"})
@@ -57,10 +57,10 @@ def main(argv=None) -> int:
     source = tasks.get_task(cfg.task, 1)
     sampling = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)
     versions = [(0, export_lora(learner.model, cfg.publish_dtype))]
-    picked = [f for f in files if int(f.stem[1:]) in set(args.versions)] if args.versions else files[-2:]
-    for f in picked:
-        load_lora(learner.model, load_file(str(f)))
-        versions.append((int(f.stem[1:]), export_lora(learner.model, cfg.publish_dtype)))
+    picked = [v for v in files if v in set(args.versions)] if args.versions else list(files)[-2:]
+    for v in picked:
+        load_lora(learner.model, load_file(str(files[v])))
+        versions.append((v, export_lora(learner.model, cfg.publish_dtype)))
     trimmed = audit_mod.per_completion
 
     def plain(rec, claimed, mask):  # the statistic before 2026-12-04

@@ -152,6 +152,17 @@ def stored_version_path(store_dir: Path, version: int) -> Path:
     return Path(store_dir) / f"v{version:010d}.safetensors"
 
 
+def stored_versions(store_dir: Path) -> dict[int, Path]:
+    """The versions the audit store holds on disk, oldest first; a file not named by `stored_version_path`
+    (foreign, or a temp file of `write_atomic`) is not one of them."""
+    found = {}
+    for path in Path(store_dir).glob("v*.safetensors"):
+        digits = path.stem[1:]
+        if digits.isdigit() and path == stored_version_path(store_dir, int(digits)):
+            found[int(digits)] = path
+    return dict(sorted(found.items()))
+
+
 class Auditor:
     """Decides which batches to audit, keeps the adapter versions to audit against, runs the checks."""
 
@@ -240,12 +251,9 @@ class Auditor:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         write_atomic(stored_version_path(self.store_dir, version),
                      save({k: v.contiguous() for k, v in tensors.items()}))
-        for path in self.store_dir.glob("v*.safetensors"):
-            try:
-                if int(path.stem[1:]) not in held:
-                    path.unlink(missing_ok=True)
-            except ValueError:
-                continue
+        for stored, path in stored_versions(self.store_dir).items():
+            if stored not in held:
+                path.unlink(missing_ok=True)
 
     def load_persisted(self) -> int:
         """`--resume`: load the versions kept on disk. They never count as the learner's current weights
@@ -254,15 +262,14 @@ class Auditor:
             return 0
         from safetensors.torch import load_file
 
-        paths = sorted(self.store_dir.glob("v*.safetensors"))[-self.keep_versions:]
+        stored = list(stored_versions(self.store_dir).items())[-self.keep_versions:]
         n = 0
         with self._lock:
-            for path in paths:
+            for version, path in stored:
                 try:
-                    version = int(path.stem[1:])
                     self._versions[version] = load_file(str(path))
-                except (ValueError, OSError, RuntimeError):
-                    continue  # a torn or foreign file: that version counts as unavailable
+                except (OSError, RuntimeError):
+                    continue  # a torn file: that version counts as unavailable
                 self._published_step[version] = -1
                 n += 1
             self._versions = OrderedDict(sorted(self._versions.items()))

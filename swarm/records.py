@@ -258,30 +258,30 @@ def read_presence(node, run_id: str, *, shards=None, now: float | None = None,
     return out
 
 
-def carry_presence(held: dict[str, swarm.PresenceRecord], first_read: dict[str, tuple[float, float]],
+def carry_presence(held: dict[str, swarm.PresenceRecord], first_read: dict[str, float],
                    read: dict[str, swarm.PresenceRecord], now: float):
     """Merge one read of the presence shards into what the tracker holds -> (records, first_read).
 
     A record read now replaces an older one of the same peer; a held record the read missed is kept while
-    `now` (a local monotonic clock) is within swarm.PRESENCE_TTL_S of when that record was first read: it was
-    in the DHT then, and its DHT entry expires at most that long after it was stored, so this is skew-proof
-    (the peer's own `last_seen` clock is not trusted for it). Per shard, at most MAX_RECORDS_PER_SHARD are
-    held, the ones just read first, so memory stays bounded whatever a flood of rotating keys does."""
+    `now` (a local monotonic clock) is within swarm.PRESENCE_TTL_S of when that record was first read
+    (`first_read[peer]`): it was in the DHT then, and its DHT entry expires at most that long after it was
+    stored, so this is skew-proof (the peer's own `last_seen` clock is not trusted for it). Per shard, at most
+    MAX_RECORDS_PER_SHARD are held, the ones just read first, so memory stays bounded whatever a flood of
+    rotating keys does."""
     records = dict(read)
     stamps = {}
     for peer, record in read.items():
         old = held.get(peer)
         if old is not None and old.last_seen > record.last_seen:
             records[peer] = record = old  # a lagging replica answered: keep the newer record
-        seen = first_read.get(peer)
-        stamps[peer] = seen if seen is not None and seen[0] == record.last_seen else (record.last_seen, now)
+        same = old is not None and old.last_seen == record.last_seen and peer in first_read
+        stamps[peer] = first_read[peer] if same else now
     per_shard: dict[int, int] = {}
     for peer in records:
         shard = swarm.presence_shard(peer)
         per_shard[shard] = per_shard.get(shard, 0) + 1
-    carried = sorted((p for p in held if p not in records and p in first_read
-                      and now - first_read[p][1] <= swarm.PRESENCE_TTL_S),
-                     key=lambda p: -first_read[p][1])
+    carried = sorted((p for p in held if p not in records and now - first_read[p] <= swarm.PRESENCE_TTL_S),
+                     key=lambda p: -first_read[p])
     for peer in carried:
         shard = swarm.presence_shard(peer)
         if per_shard.get(shard, 0) < swarm.MAX_RECORDS_PER_SHARD:
@@ -318,7 +318,7 @@ class PresenceTracker:
         self.read_stats: dict[str, int] = {}
         self.reads = 0
         self._records: dict[str, swarm.PresenceRecord] = {}
-        self._first_read: dict[str, tuple[float, float]] = {}  # peer -> (record's last_seen, monotonic first read)
+        self._first_read: dict[str, float] = {}  # peer -> when its held record was first read (monotonic)
         self._lock = threading.Lock()
         self._clock = clock
         self._stop = threading.Event()

@@ -121,8 +121,9 @@ def far_held_version(swarm, mine: int) -> int:
     Only versions the audit store holds: a version the publisher superseded while queued (latest wins) is
     never published, so the window has gaps (a local run of 2026-12-06 chose v173, which never existed)."""
     now = swarm.current_version()
-    store = swarm.run / "audit_versions"
-    published = {int(p.stem[1:]) for p in store.glob("v*.safetensors") if p.stem[1:].isdigit()}
+    from asyncrl.coordinator.audit import stored_versions
+
+    published = stored_versions(swarm.run / "audit_versions")
     held = [v for v in range(max(1, now - (MAX_STALENESS - 6)), now + 1) if v in published]
     claim = max(held, key=lambda v: abs(v - mine))
     assert abs(claim - mine) >= 5, (mine, now, held)

@@ -237,7 +237,11 @@ def test_a_restarted_auditor_checks_against_the_versions_it_kept_on_disk(setup, 
         before.remember_published(v + i, specs, blobs, learner.steps)
     assert sorted(p.name for p in (tmp_path / "audit_versions").iterdir()) == [
         f"v{x:010d}.safetensors" for x in (v + 1, v + 2, v + 3)]
+    foreign = [tmp_path / "audit_versions" / name for name in ("v7.safetensors", "vnotes.safetensors")]
+    for path in foreign:  # not the store's names: neither pruned nor loaded, nor taking a kept version's place
+        path.write_bytes(b"not a version")
     before.remember_published(v, specs, blobs, learner.steps)  # v again (v + 1 goes): the three kept are on disk
+    assert all(path.exists() for path in foreign)
 
     after = Auditor(learner, tolerance=0.01, keep_versions=4, store_dir=tmp_path / "audit_versions",
                     on_verdict=verdicts)  # a resumed coordinator

@@ -384,9 +384,11 @@ def test_carried_presence_keeps_the_newest_record_and_the_per_shard_bound(monkey
     alice = Identity.generate()
     held, stamps = carry_presence({}, {}, {alice.peer_id: record(alice, 50.0)}, now=0.0)
     held, stamps = carry_presence(held, stamps, {alice.peer_id: record(alice, 40.0)}, now=1.0)  # a lagging replica
-    assert held[alice.peer_id].last_seen == 50.0 and stamps[alice.peer_id] == (50.0, 0.0)
+    assert held[alice.peer_id].last_seen == 50.0 and stamps[alice.peer_id] == 0.0
     held, stamps = carry_presence(held, stamps, {alice.peer_id: record(alice, 58.0)}, now=8.0)
-    assert stamps[alice.peer_id] == (58.0, 8.0)  # a new record restarts the carry clock
+    assert stamps[alice.peer_id] == 8.0  # a new record restarts the carry clock
+    held, stamps = carry_presence(held, stamps, {alice.peer_id: record(alice, 58.0)}, now=30.0)
+    assert stamps[alice.peer_id] == 8.0  # the same record read again does not
 
     monkeypatch.setattr(swarm, "MAX_RECORDS_PER_SHARD", 2)
     same: list[Identity] = []
