@@ -20,6 +20,9 @@ One step, on every rank:
 A rank whose slice is empty still runs forward/backward on one group with its loss times 0 (DDP needs every
 rank in every all-reduce), and every rank runs as many micro-batches as the busiest one (extras count 0), so
 the wrappers' collectives always pair up. The train-time generation audit is off under DDP (one slice).
+End of a run: rank 0 releases the followers (`close()`: the STOP header, a barrier, `destroy_process_group`,
+then it writes its summary); each follower and each `ddp_check` rank ends with `finish_rank()` (the same
+barrier, then `os._exit`, no teardown: gloo's teardown can hang, see `finish_rank`).
 Devices: `--device cuda` (or auto with a GPU) means cuda:LOCAL_RANK on each rank, with NCCL; CPU ranks use gloo.
 
     torchrun --standalone --nproc-per-node 2 -m asyncrl.coordinator.cli run --model tiny ...
@@ -30,6 +33,7 @@ Devices: `--device cuda` (or auto with a GPU) means cuda:LOCAL_RANK on each rank
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import nullcontext
 
 import msgspec
@@ -49,22 +53,45 @@ def world() -> tuple[int, int]:
 LEAVE_TIMEOUT_S = 120  # a rank missing at the end this long is reported, not waited for
 
 
+def _barrier_at_end() -> None:
+    """Every rank, at the end: wait for the others, so no rank tears down while another still has a collective
+    in flight. On gloo a monitored barrier, so a rank that never arrives is named in an error instead of
+    hanging the others."""
+    if dist.get_backend() == "gloo":
+        from datetime import timedelta
+
+        dist.monitored_barrier(timeout=timedelta(seconds=LEAVE_TIMEOUT_S))
+    else:
+        dist.barrier()
+
+
 def leave_process_group() -> None:
-    """Every rank, at the end: wait for the others, then tear the process group down in order.
+    """A rank whose process goes on (rank 0 of a coordinator, which then writes its summary): wait for the
+    others, then tear the process group down in order.
 
     Exiting with gloo's threads still running aborts the process at exit ("terminate called without an
-    active exception", SIGABRT) after the work is done, which torchrun reports as a failed run. The barrier
-    comes first so no rank destroys the group while another still has a collective in flight; on gloo it is
-    a monitored barrier, so a rank that never arrives is named in an error instead of hanging the others.
+    active exception", SIGABRT) after the work is done, which torchrun reports as a failed run.
     """
     if dist.is_available() and dist.is_initialized():
-        if dist.get_backend() == "gloo":
-            from datetime import timedelta
-
-            dist.monitored_barrier(timeout=timedelta(seconds=LEAVE_TIMEOUT_S))
-        else:
-            dist.barrier()
+        _barrier_at_end()
         dist.destroy_process_group()
+
+
+def finish_rank(code: int = 0) -> None:
+    """A rank whose process ends here (a follower, each `ddp_check` rank): wait for the others, then end the
+    process with `code` without tearing the group down. Returns only when no process group is joined.
+
+    `destroy_process_group` on gloo can hang after the work is done (pytorch/pytorch#75097: a `ddp_check`
+    rank sat 300 s past its barrier in fresh-clone run q1 on 148d206, its result written). A process
+    that ends has nothing to tear down: `os._exit` closes its sockets (the others are past the barrier) and
+    skips the C++ destructors that abort with gloo's threads alive. Output is flushed first.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    _barrier_at_end()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _sum_hook(state, bucket):
@@ -118,17 +145,17 @@ class DistributedLearner(Learner):
         return msgspec.msgpack.decode(buf.numpy().tobytes(), type=list[TrainGroup])
 
     def close(self) -> None:
-        """Rank 0: release the followers (they return from `follow()`)."""
+        """Rank 0: release the followers (they return from `follow()` and end with `finish_rank`)."""
         if self.rank == 0 and dist.is_initialized():
             self._broadcast(None)
-            leave_process_group()  # the followers do the same as follow() returns
+            leave_process_group()  # its barrier pairs with the followers' finish_rank()
 
     def follow(self) -> int:
-        """Ranks > 0: train whatever rank 0 broadcasts until it closes. Returns the steps taken."""
+        """Ranks > 0: train whatever rank 0 broadcasts until it closes. Returns the steps taken; the caller
+        then ends the rank with `finish_rank()` (its barrier pairs with rank 0's close())."""
         while True:
             groups = self._broadcast(None)
             if groups is None:
-                leave_process_group()  # paired with rank 0's close()
                 return self.steps
             self._step_local(groups)
 
@@ -273,4 +300,5 @@ def run_follower(cfg, out=print) -> int:
     out(f"rank {learner.rank}/{learner.world}: following rank 0")
     steps = learner.follow()
     out(f"rank {learner.rank}: done after {steps} steps")
+    finish_rank(0)
     return 0

@@ -46,7 +46,7 @@ def run(out: str, *, steps: int, groups_per_step: int, loss_types: list[str], se
     from asyncrl.models import tinymodel
     from asyncrl.protocol.messages import LoraSpec
 
-    from .ddp import leave_process_group, make_learner, world
+    from .ddp import finish_rank, make_learner, world
     from .loss import LossConfig
 
     torch.set_num_threads(1)
@@ -65,7 +65,7 @@ def run(out: str, *, steps: int, groups_per_step: int, loss_types: list[str], se
     if rank == 0:
         save_file(result, out)
         print(f"wrote {len(result)} tensors from {size} process(es) to {out}", flush=True)
-    leave_process_group()
+    finish_rank(0)  # under torchrun every rank ends here; a single process returns
 
 
 def compare(a: str, b: str, atol: float) -> float:

@@ -27,7 +27,7 @@ def main(argv=None) -> int:
     from asyncrl.client.engine import TransformersEngine
     from asyncrl.coordinator.access import AccessControl, AccessPolicy
     from asyncrl.coordinator.audit import Auditor
-    from asyncrl.coordinator.ddp import make_learner, world
+    from asyncrl.coordinator.ddp import finish_rank, make_learner, world
     from asyncrl.coordinator.ingest import Ingest
     from asyncrl.coordinator.loss import LossConfig
     from asyncrl.coordinator.taskboard import TaskBoard
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     rank, size = world()
     if rank > 0:
         learner.follow()
-        return 0
+        finish_rank(0)
     coordinator = Identity.generate()
     sampling = messages.SamplingParams(temperature=1.0, max_new_tokens=6)
     access = AccessControl(AccessPolicy(max_strikes=3))
