@@ -44,7 +44,8 @@ def main(argv=None) -> int:
     rank, size = world()
     if rank > 0:
         learner.follow()
-        finish_rank(0)
+        finish_rank(0)  # ends the process (world > 1 here)
+        return 0
     coordinator = Identity.generate()
     sampling = messages.SamplingParams(temperature=1.0, max_new_tokens=6)
     access = AccessControl(AccessPolicy(max_strikes=3))
