@@ -567,7 +567,8 @@ class Volunteer:
             generated += self._generate([lease], group_size, sampling)
         return generated, [], None
 
-    def _release(self, leases: list[messages.TaskLease], reason: str | None, *, unscorable: bool = False) -> None:
+    def _release(self, leases: list[messages.TaskLease], reason: str | None, *, unscorable: bool = False,
+                 reward_error: str = "") -> None:
         """Give leases back (a LeaseRequest with `release`): their prompts go to someone else now, instead
         of waiting out the lease timeout (coordinator/taskboard.py `release`). With `unscorable` they are
         leases whose groups our reward check could not score (`LeaseRequest.unscorable`): the coordinator
@@ -578,6 +579,7 @@ class Volunteer:
         ids = tuple(l.lease_id for l in leases)
         req = messages.LeaseRequest(run_id=self.run_id, max_prompts=0, adapter_version=self.serving_version,
                                     client_name=self.name, client_version=handshake.package_version(),
+                                    reward_error=reward_error,
                                     **({"unscorable": ids} if unscorable else {"release": ids}))
         for attempt in range(2):
             sealed = envelope.seal(self.identity, "lease_request", messages.encode(req), audience=self.coordinator_key)
@@ -632,24 +634,27 @@ class Volunteer:
                 texts = [self.engine.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in group]
                 prompt = tasks.Prompt(lease.prompt_id, lease.prompt, lease.answer, lease.reward, lease.columns)
                 try:  # the coordinator re-scores with this same call (coordinator/ingest.py)
-                    results.append((lease, group, tasks.score_group(prompt, texts, [s.token_ids for s in group]).rewards))
+                    results.append((lease, group, tasks.score_group(prompt, texts, [s.token_ids for s in group],
+                                                                   version=version).rewards))
                 except Exception as exc:  # noqa: BLE001 - a broken reward costs its group, not the volunteer
                     results.append((lease, group, exc))
         self.status.lease_renewals += keeper.renewals
         if unfinished:  # paused mid-lease: the rest goes back to the coordinator now, not at expiry
             self._release(unfinished, reason)
-        groups, unscored = [], []
+        groups, unscored, raised = [], [], []
         for lease, group, scored in results:
             if lease.lease_id in keeper.lost:
                 self._abandon(lease, "the coordinator no longer holds it for us (expired)", counter="leases_lost")
                 continue
             if isinstance(scored, Exception):
                 exc = scored
+                why = f"reward {lease.reward!r} failed: {exc.__class__.__name__}: {str(exc)[:300]}"
                 if isinstance(exc, tasks.Unscorable):  # our verifier could not finish: send nothing rather than a guess
                     self.status.groups_unscorable += 1
                     unscored.append(lease)
-                self._abandon(lease, f"reward {lease.reward!r} failed: {exc.__class__.__name__}: {str(exc)[:300]}",
-                              counter="reward_errors")
+                else:  # the reward function itself raised: the operator must see it (coordinator's log, dashboard)
+                    raised.append((lease, why))
+                self._abandon(lease, why, counter="reward_errors")
                 continue
             comps = []
             for s, reward in zip(group, scored):
@@ -664,6 +669,9 @@ class Volunteer:
                                                 prompt_token_ids=lease.prompt_token_ids, completions=tuple(comps)))
         if unscored:  # said at once: the prompt goes to someone else now, and a poison prompt gets retired
             self._release(unscored, "reward check did not finish", unscorable=True)
+        if raised:
+            self._release([l for l, _ in raised], "reward raised",
+                          reward_error=raised[0][1][:limits.MAX_REWARD_ERROR_CHARS])
         if not groups:
             return 0
         batch = messages.RolloutBatch(run_id=self.run_id, adapter_version=version, client_name=self.name,

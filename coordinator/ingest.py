@@ -478,10 +478,12 @@ def rescore_group(tokenizer, group: messages.RolloutGroup, lease, batch: message
     if any(hopeless):  # only `exact`, a simple reward scored one completion at a time: skip the hopeless ones
         rewards = [0.0 if h else tasks.score(reward, tokenizer.decode(a.tolist(), skip_special_tokens=True), answer)
                    for h, a in zip(hopeless, arrays)]
+        per_reward = {reward: list(rewards)}
     else:  # the volunteer scored with this same call (client/worker.py): one group, its texts, its ids
         comps = [a.tolist() for a in arrays]  # reward functions get TRL's completion_ids: lists of ints
-        rewards = tasks.score_group(lease.prompt, [tokenizer.decode(t, skip_special_tokens=True) for t in comps],
-                                    comps).rewards
+        scored = tasks.score_group(lease.prompt, [tokenizer.decode(t, skip_special_tokens=True) for t in comps],
+                                   comps, version=batch.adapter_version)
+        rewards, per_reward = scored.rewards, scored.per_reward
     for c, expected in zip(group.completions, rewards):
         if abs(expected - c.reward) > REWARD_TOLERANCE:
             raise ProtocolError(RejectCode.REWARD_MISMATCH, f"claimed {c.reward:.4f}, recomputed {expected:.4f}")
@@ -489,4 +491,4 @@ def rescore_group(tokenizer, group: messages.RolloutGroup, lease, batch: message
     # ints and floats per batch — those lists were a third of ingest's time (docs/benchmarks.md).
     lps = [c.logprob_array() for c in group.completions]
     return TrainGroup(prompt_ids, arrays, lps, rewards, batch.adapter_version, batch.sampling.temperature,
-                      batch.client_name, truncated=truncated)
+                      batch.client_name, truncated=truncated, per_reward=per_reward)

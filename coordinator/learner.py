@@ -54,6 +54,9 @@ class TrainGroup:
     audit: bool = False    # check its sampling logprobs against this step's forward pass (coordinator/audit.py)
     truncated: list[bool] = field(default_factory=list)
     """Per completion: finish_reason "length" as ingest derived it (empty = none); loss.mask_truncated drops them."""
+    per_reward: dict[str, list[float | None]] = field(default_factory=dict)
+    """Each reward function's own values per completion (None = not applicable; tasks.GroupScore), for the
+    per-reward metrics (coordinator/reward_log.py); the learner trains on `rewards`, their weighted total."""
 
     def truncated_flags(self) -> list[bool]:
         return list(self.truncated) if self.truncated else [False] * len(self.completions)

@@ -46,6 +46,7 @@ from asyncrl.swarm.streams import stream_name
 
 from .config import CoordinatorConfig
 from .leasing import MAX_LEASE_REQUEST_BYTES
+from .reward_log import reward_stats
 
 FINAL_POINTER_WAIT_S = 90.0  # at the run's end the publisher thread may still be storing the last version
 CALIBRATION_PROMPTS = 32  # x min(group_size, 8) honest completions sampled at start-up (coordinator/audit_policy.py)
@@ -104,6 +105,9 @@ class Coordinator:
         self.log = RunLog(self.run_dir / "metrics.jsonl", listeners=[self.telemetry.observe])
         self.t0 = time.time()
         self.trained_by: dict[str, int] = {}  # volunteer key fingerprint -> groups trained on (this process)
+        from .reward_log import RewardErrors
+
+        self.reward_errors = RewardErrors()  # what volunteers' reward functions raised (coordinator/reward_log.py)
         from .run_end import RunEnd
 
         self.run_end = RunEnd(self.run_dir, active_window_s=cfg.lease_timeout_s)  # max_steps / `finish`: say so
@@ -215,7 +219,12 @@ class Coordinator:
         self.lease_desk = LeaseDesk(LeasePolicy.from_config(cfg), audience=self.identity.public_key, board=self.board,
                                     ingest=self.ingest, access=self.access, tokenizer=self.learner.tokenizer,
                                     current_version=lambda: self.publish_worker.published_version,
-                                    sync_round=self.sync_round, quorum=self.quorum, gate=GatePolicy.from_config(cfg))
+                                    sync_round=self.sync_round, quorum=self.quorum, gate=GatePolicy.from_config(cfg),
+                                    on_reward_error=self._reward_error)
+        from .reward_log import CompletionLog
+
+        self.completion_log = CompletionLog(self.run_dir / "completions.jsonl", self.learner.tokenizer,
+                                            every=cfg.log_completions_every, count=cfg.log_completions_count)
         self.publisher = Publisher(self.identity, run_id=cfg.run_id, base_model=self.base_model,
                                    base_revision=self.base_revision, lora=self.lora,
                                    keyframe_every=cfg.keyframe_every, chunk_bytes=cfg.chunk_bytes,
@@ -392,6 +401,7 @@ class Coordinator:
             groups = [g for item in items for g in item.groups]
             # the contributors table: whose groups the learner steps on (fresh before the step bumps the version)
             fresh = [(item.signer, sum(1 for g in item.groups if not self.learner.is_stale(g.version))) for item in items]
+            trained = [g for g in groups if not self.learner.is_stale(g.version)]
             result = self.learner.step(groups)
             stale_dropped = len(groups) - (result.groups_used if result else 0)
             if stale_dropped:
@@ -410,7 +420,9 @@ class Coordinator:
                            ratio_mean=result.ratio_mean, seconds=result.seconds,
                            **{k: v for k, v in result.metrics.items() if k not in ("loss", "clip_fraction", "ratio_mean")},
                            tokens=result.tokens, clients=sorted({item.client for item in items}),
-                           dropped_total=self.board.counts()["dropped"], batch_ids=batch_ids)
+                           dropped_total=self.board.counts()["dropped"], batch_ids=batch_ids,
+                           **reward_stats(trained))  # TRL's rewards/<name>/mean and /std
+            self.completion_log.after_step(self.learner.steps, trained)
             if self.learner.steps % cfg.publish_every == 0:
                 self.learner.version += 1
                 self._publish()
@@ -429,6 +441,15 @@ class Coordinator:
         if self.run_end.finished:  # volunteers still polling the DHT through us learn it (coordinator/run_end.py)
             self.run_end.linger(cfg.finish_grace_s, self.stop)
         return summary
+
+    def _reward_error(self, client: str, error: str, leases: int) -> None:
+        """A volunteer's reward function raised on `leases` of its leases (LeaseRequest.reward_error): the
+        operator sees it in metrics.jsonl, on the dashboard and on the console (each distinct error once)."""
+        first = all(r["error"] != error for r in self.reward_errors.snapshot()["recent"])
+        self.reward_errors.add(client, error, leases)
+        self.log.write("reward_error", client=client, error=error, leases=leases)
+        if first:
+            self.out(f"warning: volunteer {client!r}: {error}")
 
     def _finish(self, reason: str) -> None:
         """End the run for good: refuse work with RUN_FINISHED and publish the final signed pointer."""
@@ -522,7 +543,9 @@ class Coordinator:
                                             leases=self.board.counts(), queued_groups=queued, identity=identity,
                                             presence=self.presence(), contributors=self.contributors(),
                                             publisher=worker.stats() if worker is not None else None,
-                                            waiting=self.quorum.status())
+                                            waiting=self.quorum.status(),
+                                            completions=self.completion_log.latest() if hasattr(self, "completion_log") else [],
+                                            reward_errors=self.reward_errors.snapshot())
 
     def shutdown(self) -> None:
         self.stop.set()

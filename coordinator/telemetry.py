@@ -67,7 +67,8 @@ class Telemetry:
 
     def snapshot_part(self, *, version: int, steps: int, clients: list, leases: dict, queued_groups: int,
                       identity: dict, presence: list[dict] = (), publisher: dict | None = None,
-                      waiting: dict | None = None, contributors: list[dict] = ()) -> dict:
+                      waiting: dict | None = None, contributors: list[dict] = (), completions: list[dict] = (),
+                      reward_errors: dict | None = None) -> dict:
         """The read-only status dict (the schema of /api/status). No key material ever enters it."""
         now = time.time()
         stats = self.stats.snapshot()
@@ -93,6 +94,10 @@ class Telemetry:
             # name, fingerprint, accepted batches/tokens (receipts), trained groups and share: publishable
             "contributors": list(contributors),
             "stats": stats,
+            # coordinator/reward_log.py: the latest sampled completions with their rewards, and what
+            # volunteers' reward functions raised
+            "completions": list(completions),
+            "reward_errors": dict(reward_errors or {"total": 0, "recent": []}),
         }
 
     def close(self) -> None:

@@ -188,6 +188,9 @@ class LeaseRequest(_Message):
     # schema 2: leases whose groups this volunteer could not score (its reward check did not finish): ended
     # now, and counted against the prompt (poison prompts are retired: coordinator/taskboard.py)
     unscorable: Annotated[tuple[Id, ...], msgspec.Meta(max_length=limits.MAX_GROUPS_PER_BATCH)] = ()
+    # schema 2: with `release`, what the volunteer's reward function raised on those leases ("reward 'x':
+    # TypeError: ..."); the coordinator logs it for the operator (metrics.jsonl `reward_error`, dashboard)
+    reward_error: Annotated[str, msgspec.Meta(max_length=limits.MAX_REWARD_ERROR_CHARS)] = ""
 
 
 class LeaseRenewal(_Record):
