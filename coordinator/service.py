@@ -289,10 +289,8 @@ class Coordinator:
         from asyncrl.tasks.sources import encode_prompt, open_source
 
         cfg = self.cfg
-        source = open_source(cfg.task, seed=cfg.seed + 1, tokenizer=self.learner.tokenizer,
-                             chat_template=cfg.chat_template, prompt_field=cfg.task_prompt_field,
-                             answer_field=cfg.task_answer_field, default_reward=cfg.reward_spec(),
-                             system_prompt=cfg.task_system_prompt, oversized="skip")  # as the task itself (preflight)
+        source = open_source(cfg.task, seed=cfg.seed + 1, tokenizer=self.learner.tokenizer, oversized="skip",
+                             **cfg.task_options())  # as the task itself (preflight)
         prompts = [list(encode_prompt(self.learner.tokenizer, next(source).text)) for _ in range(CALIBRATION_PROMPTS)]
         specs, blobs = export_lora(self.learner.model, cfg.publish_dtype)
         status = self.auditor.calibrate(tensors_from_bytes(specs, blobs), prompts, temperature=cfg.temperature,
