@@ -159,12 +159,14 @@ class Coordinator:
         self.board = TaskBoard(source, lease_timeout_s=cfg.lease_timeout_s,
                                max_leases_per_client=cfg.max_leases_per_client,
                                lease_max_s=cfg.lease_max_s or cfg.lease_timeout_s,
-                               prompt_max_failures=cfg.prompt_max_failures)
+                               prompt_max_failures=cfg.prompt_max_failures,
+                               records=source.report.records if source.report is not None else 0)
         self.journal = IngestJournal(self.run_dir / "journal")
         from .access import AccessControl, AccessPolicy
         from .audit import Auditor
 
         self.access = AccessControl(AccessPolicy.from_config(cfg))  # who may talk, how often; strikes, bans
+        self.board.standing = self.access.has_accepted  # reports of proven keys weigh more (poison retirement)
         self.node.inbound.trusted = self.access.peer_has_accepted  # their requests may use the whole byte budget
         self.auditor = Auditor.from_config(cfg, self.learner)  # logprob audit; shares the learner's base weights
         from .receipts import ReceiptDesk
@@ -222,7 +224,11 @@ class Coordinator:
 
         self.trust = TrustState(self.run_dir, ingest=self.ingest, access=self.access, auditor=self.auditor,
                                 every_s=cfg.trust_state_every_s, out=self.out)
-        self.trust.load()  # replay.bin / access.bin: nonces, batch ids and bans outlive a restart
+        self.trust.load()  # replay.bin / access.bin: nonces, batch ids, bans and track records outlive a restart
+        if cfg.resume:
+            back = self.board.recheck_retired()  # retirements whose reporters lost their standing come back
+            if back:
+                self.out(f"{back} retired records back in the task (their reports no longer weigh enough)")
         self.trust.start()
         # Everything up to learner.version - 1 may be held by volunteers (a resumed run's lineage).
         self.publish_worker = PublishWorker(self.publisher, self.pointer, before_visible=self._before_visible,
