@@ -198,7 +198,8 @@ class Ingest:
             if not by_sender:  # a refused copy from another peer is no verdict on the signer's batch (it is
                 self._verdict(batch_id, signer, exc.code.value, "ingest")  # counted on that peer: access.py)
             accepted = exc.code is RejectCode.DUPLICATE_BATCH  # the client may delete its copy
-            receipt = self.receipts.lookup(batch_id) if accepted and self.receipts is not None else b""
+            receipt = (self.receipts.lookup(batch_id, signer)  # only to its owner, from her own peer (receipts.py)
+                       if accepted and signer is not None and self.receipts is not None else b"")
             return messages.Ack(batch_id=batch_id, accepted=accepted, code=exc.code.value,
                                 detail=exc.detail[:limits.MAX_DETAIL_CHARS], receipt=receipt)
 
@@ -364,8 +365,9 @@ class Ingest:
         self._verdict(batch_id, signer, "ACCEPTED", "ingest", audit=v.audit)
         detail = f"{v.unscorable} group(s) could not be scored here and were dropped (not your fault)" \
             if v.unscorable else ""
+        receipt = self._receipt(signer, batch_id, v.batch, v.groups)  # issued and logged whoever delivered it...
         return messages.Ack(batch_id=batch_id, accepted=True, detail=detail,
-                            receipt=self._receipt(signer, batch_id, v.batch, v.groups))
+                            receipt=b"" if _foreign(signer, peer) else receipt)  # ...handed only to its owner
 
     # ---- trust bookkeeping (coordinator/access.py, coordinator/audit.py, coordinator/trust_state.py) ----
     def _verdict(self, batch_id: bytes, signer: bytes | None, code: str, stage: str, **extra) -> None:
