@@ -15,8 +15,8 @@ Owned here and nowhere else:
     version or timeout of its own), not for FUTURE_VERSION (a coordinator restarted without --resume
     under the same key numbers its versions from 0 again, so every honest volunteer still holding the
     old lineage's newer adapter, and every batch it spooled during the outage, claims a version this
-    lineage has not published; striking those banned an honest volunteer within 3 batches, CI
-    2026-12-02 test_coordinator_restart_does_not_kill_clients; the batch is refused either way, so the
+    lineage has not published; striking those would ban an honest volunteer within a few batches
+    (tests/integration/test_swarm_coordinator.py); the batch is refused either way, so the
     claim never reaches a gradient), not for anything our side could not finish
     (UNSCORABLE), and never for replays, expired timestamps or a foreign audience: anyone can replay
     someone else's envelope, and strikes must not be a way to get an honest volunteer banned.
@@ -61,7 +61,8 @@ from asyncrl.protocol.identity import PUBLIC_KEY_BYTES, fingerprint, peer_id_fro
 from asyncrl.swarm.rate import TokenBucket
 
 # Offences that only the holder of the signing key can commit (the payload itself is the lie).
-IDENTITY_STRIKES = frozenset({RejectCode.LOGPROB_MISMATCH, RejectCode.MALFORMED})
+# ENV_MISMATCH: the replay of a pinned, deterministic environment disagrees with the claimed episode (envs/).
+IDENTITY_STRIKES = frozenset({RejectCode.LOGPROB_MISMATCH, RejectCode.MALFORMED, RejectCode.ENV_MISMATCH})
 # Suspicious but not proof (honest code can produce it): no strike, the key loses its track record
 # (audited on every batch again). FUTURE_VERSION: see "strikes" in the module docstring.
 IDENTITY_SUSPICIONS = frozenset({RejectCode.REWARD_MISMATCH, RejectCode.FUTURE_VERSION})

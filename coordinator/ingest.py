@@ -50,6 +50,7 @@ from asyncrl.protocol.identity import fingerprint, peer_id_from_public_key
 from asyncrl.tasks.sources import encode_prompt
 
 from .access import IDENTITY_STRIKES, IDENTITY_SUSPICIONS
+from .episodes import is_episode_lease, rescore_episode_group
 from .ingest_books import AcceptedRecord, ClientStats, ClientTable, RewardTrace, SeenIds
 from .learner import TrainGroup
 from .taskboard import LeaseRejected, TaskBoard, lease_holder
@@ -464,7 +465,12 @@ def rescore_group(tokenizer, group: messages.RolloutGroup, lease, batch: message
     finish_reason re-derived from the tokens and the pinned stop set (MALFORMED if the claim differs; with
     no stop set only a full-length "length" completion counts as truncated), every reward recomputed from
     the decoded completion (REWARD_MISMATCH otherwise) — or, with `bounds` (tasks.PrintableTable), without
-    decoding when the reward cannot but be 0. bench/ingest.py times it."""
+    decoding when the reward cannot but be 0. bench/ingest.py times it. A multi-turn episode's group (its lease
+    names an environment) is replayed instead: coordinator/episodes.py."""
+    if is_episode_lease(lease):
+        return rescore_episode_group(tokenizer, group, lease, batch, stop_token_ids=stop_token_ids)
+    if any(c.env_mask for c in group.completions):  # tokens marked unsampled would escape the logprob audit
+        raise ProtocolError(RejectCode.ENV_MISMATCH, "environment tokens in an answer to a lease without an environment")
     if lease.prompt_token_ids is not None:  # as granted: the same encode_prompt, done once at lease time
         if bytes(group.prompt_token_ids) != lease.prompt_token_ids:
             raise ProtocolError(RejectCode.MALFORMED, "prompt tokens differ from the leased prompt")

@@ -8,7 +8,7 @@ Components (each has one job; none references this hub):
   LeaseDesk   (coordinator/leasing.py) who gets which prompts, with back-pressure on in-flight work
   Ingest      verify + decode + re-score signed rollout batches; bounded queue to the learner
   Learner     GRPO steps on the LoRA adapter; owns the version counter
-  RunLog      metrics.jsonl + summary.json in the run directory
+  RunLog      (asyncrl/runlog.py) metrics.jsonl in the run directory; summary.json at the end
   Journal     (coordinator/journal.py) accepted batches on disk before their ack
   ReceiptDesk (coordinator/receipts.py) a signed contribution receipt in every ack; receipts.bin
   RunEnd      (coordinator/run_end.py) max_steps or `finish`: RUN_FINISHED, the final pointer, a short linger
@@ -32,7 +32,6 @@ the network (coordinator/publisher.py PublishWorker holds the back-pressure inva
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
 import time
 from pathlib import Path
@@ -41,6 +40,7 @@ from asyncrl.protocol import messages
 from asyncrl.protocol.atomic import read_json, write_json_atomic
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import Identity
+from asyncrl.runlog import METRICS_FILE, RunLog
 from asyncrl.swarm import streams
 from asyncrl.swarm.streams import stream_name
 
@@ -68,26 +68,6 @@ def resolve_model(cfg: CoordinatorConfig, *, out=print):
     return pinning.resolve(cfg.model, revision, out=out)
 
 
-class RunLog:
-    """Append-only JSONL metrics (one event per line, flushed) in the run directory."""
-
-    def __init__(self, path: Path, listeners=()):
-        self.path = path
-        self._f = open(path, "a", buffering=1)
-        self._lock = threading.Lock()
-        self.listeners = list(listeners)  # fn(event, record) after each line, e.g. Telemetry.observe
-
-    def write(self, event: str, **fields) -> None:
-        with self._lock:
-            record = {"event": event, "t": time.time(), **fields}
-            self._f.write(json.dumps(record) + "\n")
-            for listener in self.listeners:
-                listener(event, record)
-
-    def close(self) -> None:
-        self._f.close()
-
-
 class Coordinator:
     def __init__(self, cfg: CoordinatorConfig, *, out=print):
         self.cfg = cfg.validate()
@@ -101,7 +81,7 @@ class Coordinator:
         from .telemetry import Telemetry
 
         self.telemetry = Telemetry(cfg, self.run_dir, out=out)
-        self.log = RunLog(self.run_dir / "metrics.jsonl", listeners=[self.telemetry.observe])
+        self.log = RunLog(self.run_dir / METRICS_FILE, listeners=[self.telemetry.observe])
         self.t0 = time.time()
         self.trained_by: dict[str, int] = {}  # volunteer key fingerprint -> groups trained on (this process)
         from .run_end import RunEnd
@@ -296,10 +276,8 @@ class Coordinator:
         from asyncrl.tasks.sources import encode_prompt, open_source
 
         cfg = self.cfg
-        source = open_source(cfg.task, seed=cfg.seed + 1, tokenizer=self.learner.tokenizer,
-                             chat_template=cfg.chat_template, prompt_field=cfg.task_prompt_field,
-                             answer_field=cfg.task_answer_field, default_reward=cfg.reward_spec(),
-                             system_prompt=cfg.task_system_prompt, oversized="skip")  # as the task itself (preflight)
+        source = open_source(cfg.task, seed=cfg.seed + 1, tokenizer=self.learner.tokenizer, oversized="skip",
+                             **cfg.task_options())  # as the task itself (preflight)
         prompts = [list(encode_prompt(self.learner.tokenizer, next(source).text)) for _ in range(CALIBRATION_PROMPTS)]
         specs, blobs = export_lora(self.learner.model, cfg.publish_dtype)
         status = self.auditor.calibrate(tensors_from_bytes(specs, blobs), prompts, temperature=cfg.temperature,
