@@ -21,24 +21,27 @@ from collections import deque
 
 import numpy as np
 
-from asyncrl import envs, tasks
+from asyncrl import tasks
 from asyncrl.protocol import messages
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 
 from .learner import TrainGroup
 
 REWARD_TOLERANCE = 1e-6
+ENV_PREFIX = "env:"  # envs.ENV_PREFIX; asyncrl.envs itself is imported only when an episode arrives
 replay_ms: deque[float] = deque(maxlen=1024)  # per episode, newest last
 
 
 def is_episode_lease(lease) -> bool:
-    return envs.is_env_spec(lease.prompt.reward)
+    return lease.prompt.reward.startswith(ENV_PREFIX)
 
 
 def rescore_episode_group(tokenizer, group: messages.RolloutGroup, lease, batch: messages.RolloutBatch, *,
                           stop_token_ids: tuple[int, ...] = ()) -> TrainGroup:
     """One leased group of episodes, replayed and re-scored; a TrainGroup whose env_masks keep the
     environment tokens out of the loss and the audit."""
+    from asyncrl import envs
+
     try:
         env = envs.get_env(envs.env_name(lease.prompt.reward))
     except envs.UnknownEnv as exc:  # our install lacks it: not the volunteer's fault

@@ -158,3 +158,7 @@ def test_an_environment_failing_on_our_side_strikes_nobody(tokenizer, monkeypatc
     assert ack.accepted and "could not be scored" in ack.detail
     assert ingest.queue.empty() and access.strikes(ALICE.public_key) == 0
     assert not access.is_banned(ALICE.public_key)
+
+
+def test_ingest_spells_the_environment_prefix_as_envs_does():
+    assert episodes.ENV_PREFIX == envs.ENV_PREFIX
