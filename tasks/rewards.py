@@ -43,6 +43,7 @@ from typing import Any, Callable
 
 from asyncrl.protocol import limits
 
+from . import rgym
 from .math_reward import Unscorable
 from .prompt import Prompt
 from .toy import repeat_reward
@@ -97,7 +98,8 @@ def math_reward(completion: str, answer: str) -> float:
     return verify(completion, gold_answer(answer))
 
 
-REWARDS: dict[str, RewardFn] = {"repeat": simple_reward(repeat_reward), "exact": exact_reward, "math": math_reward}
+REWARDS: dict[str, RewardFn] = {"repeat": simple_reward(repeat_reward), "exact": exact_reward, "math": math_reward,
+                                 rgym.REWARD: rgym.reasoning_gym_reward}
 BUILTIN = frozenset(REWARDS)
 
 
