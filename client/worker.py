@@ -272,10 +272,23 @@ class Volunteer:
             raise RunFinished(f"run {hs.info.run_id!r} has finished; nothing to do (`join --follow` waits for the next)")
         for check in checks:
             if check.status == FAIL:
+                if check.code == RejectCode.REWARD_PACKAGE_MISSING.value:
+                    self._report_missing_rewards(hs)
                 raise JoinCheckFailed(check)
             if check.status == WARN:
                 self.display.event("warning", f"warning: {check.detail}; {check.fix}")
         return hs
+
+    def _report_missing_rewards(self, hs) -> None:
+        """Say which reward packages we lack before we leave, so the operator sees it on the dashboard (no
+        lease was asked for; the refusal is no strike). Best effort: we leave either way."""
+        from .checks import exchange, missing_reward_packages
+
+        try:
+            exchange(self.node, self.coordinator_peer_id,
+                     missing_rewards=tuple(p.reward for p in missing_reward_packages(hs.info)))
+        except Exception as exc:  # noqa: BLE001 - the refusal stands whether or not the report arrived
+            self.display.event("warning", f"could not tell the coordinator about the missing packages: {exc}")
 
     def _wait_for_next_run(self, hs):
         """--follow: ask the coordinator again, less and less often, until it runs an unfinished run."""

@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
 def dry_run_task_problem(cfg) -> str | None:
     """What --dry-run can check of the task without a model or the network: a JSONL task file exists and
     every record (and every reward it names, with the columns it has) is valid; a saved dataset directory
-    exists. Hub datasets are not fetched."""
+    exists. Hub datasets are not fetched; other task kinds are checked when the coordinator starts."""
     from pathlib import Path
 
     from asyncrl.tasks import sources, toy
@@ -188,9 +188,6 @@ def dry_run_task_problem(cfg) -> str | None:
             local = spec[3:].split(":", 1)[0]
             if local.startswith(("/", ".")) and not Path(local).exists():
                 return f"dataset directory {local} does not exist"
-        else:
-            return (f"unknown task {spec!r}: use a built-in task {sorted(toy.TASKS)}, a .jsonl file (or jsonl:PATH) "
-                    "or hf:<dataset>[:config][:split]")
     except sources.TaskSourceError as exc:
         return str(exc)
     return None

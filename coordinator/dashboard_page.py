@@ -125,6 +125,13 @@ PAGE = r"""<!doctype html>
     </table>
   </section>
   <section>
+    <h2>Volunteers refused at the handshake <span id="refusals_total"></span></h2>
+    <table id="refusals">
+      <thead><tr><th>Volunteer</th><th>Why (and what to install or upgrade)</th><th>When</th></tr></thead>
+      <tbody></tbody>
+    </table>
+  </section>
+  <section>
     <h2>Recent adapter versions</h2>
     <table id="publishes">
       <thead><tr><th class="num">Version</th><th>Codec</th><th class="num">Payload</th><th class="num">Raw</th>
@@ -322,6 +329,16 @@ function render(d) {
     const tr = document.createElement("tr");
     cell(tr, e.client); cell(tr, e.error, "rej"); cell(tr, String(e.leases), "num"); cell(tr, ago(d.time - e.t));
     ebody.appendChild(tr);
+  }
+  const refused = d.handshake_refusals || {total: 0, recent: []};
+  set("refusals_total", refused.total ? "(" + refused.total + ")" : "");
+  const fbody = $("refusals").tBodies[0];
+  fbody.replaceChildren();
+  if (!refused.recent.length) emptyRow(fbody, 3, "none");
+  for (const e of refused.recent.slice(0, 10)) {
+    const tr = document.createElement("tr");
+    cell(tr, e.client); cell(tr, e.error, "rej"); cell(tr, ago(d.time - e.t));
+    fbody.appendChild(tr);
   }
   set("updated", new Date().toLocaleTimeString()); set("error", "");
 }

@@ -165,7 +165,7 @@ class Learner:
             if p.requires_grad and p.dtype != torch.float32:
                 p.data = p.data.float()
         self.model.train()
-        self.scorer = CompletionScorer(self.model)
+        self.scorer = CompletionScorer(self.model, vocab_limit=len(self.tokenizer))  # the engines' vocabulary
         self._prepare_model()  # FSDP shards the base here (coordinator/ddp.py)
         self.loss_cfg = loss
         self.max_staleness = max_staleness

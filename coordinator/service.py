@@ -38,6 +38,7 @@ from pathlib import Path
 
 from asyncrl.protocol import messages
 from asyncrl.protocol.atomic import read_json, write_json_atomic
+from asyncrl.protocol.handshake import package_versions as handshake_package_versions
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import Identity
 from asyncrl.runlog import METRICS_FILE, RunLog
@@ -69,6 +70,21 @@ def resolve_model(cfg: CoordinatorConfig, *, out=print):
     return pinning.resolve(cfg.model, revision, out=out)
 
 
+
+def task_reward_packages(source, cfg) -> tuple:
+    """The packages the task's rewards come from (records' own specs and the default), for the handshake."""
+    from asyncrl.protocol.handshake import MAX_REWARD_PACKAGES, RewardPackage
+    from asyncrl.tasks.rewards import packages_of
+    from asyncrl.tasks.sources import TaskSourceError
+
+    specs = {r.reward for r in getattr(source, "records", ())} | {cfg.reward_spec()}
+    found = [RewardPackage(reward=n, package=d, version=v) for n, d, v in packages_of(specs)]
+    if len(found) > MAX_REWARD_PACKAGES:
+        raise TaskSourceError(f"the task's rewards come from {len(found)} packages; a handshake names at most "
+                              f"{MAX_REWARD_PACKAGES}")
+    return tuple(found)
+
+
 class Coordinator:
     def __init__(self, cfg: CoordinatorConfig, *, out=print):
         self.cfg = cfg.validate()
@@ -88,6 +104,7 @@ class Coordinator:
         from .reward_log import RewardErrors
 
         self.reward_errors = RewardErrors()  # what volunteers' reward functions raised (coordinator/reward_log.py)
+        self.handshake_refusals = RewardErrors()  # volunteers turned away at the handshake (same shape of record)
         from .run_end import RunEnd
 
         self.run_end = RunEnd(self.run_dir, active_window_s=cfg.lease_timeout_s)  # max_steps / `finish`: say so
@@ -160,6 +177,10 @@ class Coordinator:
                            examples=r.examples)
             self.out(f"task {cfg.task}: {r.records} records, longest prompt {r.longest_prompt_tokens} tokens"
                      + (f"; skipped {r.skipped} too large (first: {r.examples[0]})" if r.skipped else ""))
+        self.reward_packages = task_reward_packages(source, cfg)  # every volunteer must have them (handshake)
+        if self.reward_packages:
+            self.out("reward packages volunteers need: " + ", ".join(
+                f"{n}=={v}" for n, v in handshake_package_versions(self.reward_packages)))
         self.board = TaskBoard(source, lease_timeout_s=cfg.lease_timeout_s,
                                max_leases_per_client=cfg.max_leases_per_client,
                                lease_max_s=cfg.lease_max_s or cfg.lease_timeout_s,
@@ -327,7 +348,8 @@ class Coordinator:
         self.handshake = HandshakeDesk(run_id=cfg.run_id, gate=GatePolicy.from_config(cfg),
                                        window_s=cfg.timestamp_window_s, max_staleness=cfg.max_staleness,
                                        lease_timeout_s=cfg.lease_timeout_s, pointer=lambda: self.pointer.last,
-                                       finished=lambda: self.run_end.finished)
+                                       finished=lambda: self.run_end.finished,
+                                       reward_packages=self.reward_packages, on_refusal=self._refused_at_door)
         node.serve(streams.INFO, self.handshake.handle, max_request_bytes=MAX_INFO_REQUEST_BYTES, with_addr=True)
         from asyncrl.swarm.serving import AdapterServer, ServeBudget
 
@@ -426,6 +448,13 @@ class Coordinator:
         if self.run_end.finished:  # volunteers still polling the DHT through us learn it (coordinator/run_end.py)
             self.run_end.linger(cfg.finish_grace_s, self.stop)
         return summary
+
+    def _refused_at_door(self, refusal: dict) -> None:
+        """The handshake turned a volunteer away (version gate, missing reward package): no strike, no lease;
+        the operator sees it (metrics.jsonl `handshake_refused`, the dashboard)."""
+        who = f"peer …{refusal['peer'][-8:]} (asyncrl {refusal.get('client_version') or '?'})"
+        self.handshake_refusals.add(who, f"{refusal['code']}: {refusal['detail']}", 0)
+        self.log.write("handshake_refused", **refusal)
 
     def _reward_error(self, client: str, error: str, leases: int) -> None:
         """A volunteer's reward function raised on `leases` of its leases (LeaseRequest.reward_error): the
@@ -530,7 +559,8 @@ class Coordinator:
                                             publisher=worker.stats() if worker is not None else None,
                                             waiting=self.quorum.status(),
                                             completions=self.completion_log.latest() if hasattr(self, "completion_log") else [],
-                                            reward_errors=self.reward_errors.snapshot())
+                                            reward_errors=self.reward_errors.snapshot(),
+                                            handshake_refusals=self.handshake_refusals.snapshot())
 
     def shutdown(self) -> None:
         self.stop.set()

@@ -68,7 +68,7 @@ class Telemetry:
     def snapshot_part(self, *, version: int, steps: int, clients: list, leases: dict, queued_groups: int,
                       identity: dict, presence: list[dict] = (), publisher: dict | None = None,
                       waiting: dict | None = None, contributors: list[dict] = (), completions: list[dict] = (),
-                      reward_errors: dict | None = None) -> dict:
+                      reward_errors: dict | None = None, handshake_refusals: dict | None = None) -> dict:
         """The read-only status dict (the schema of /api/status). No key material ever enters it."""
         now = time.time()
         stats = self.stats.snapshot()
@@ -98,6 +98,8 @@ class Telemetry:
             # volunteers' reward functions raised
             "completions": list(completions),
             "reward_errors": dict(reward_errors or {"total": 0, "recent": []}),
+            # volunteers the handshake turned away (version gate, a missing reward package): client = its release
+            "handshake_refusals": dict(handshake_refusals or {"total": 0, "recent": []}),
         }
 
     def close(self) -> None:

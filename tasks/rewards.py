@@ -208,6 +208,18 @@ def reward_package(name: str) -> tuple[str, str] | None:
     return None
 
 
+def packages_of(specs) -> list[tuple[str, str, str]]:
+    """(reward, distribution, version) for every entry-point reward the reward `specs` name, sorted: what a
+    volunteer must have installed to score this task (tasks/rewards.py; the coordinator's handshake)."""
+    out = set()
+    for spec in specs:
+        for term in parse_spec(spec):
+            pkg = reward_package(term.name)
+            if pkg is not None:
+                out.add((term.name, *pkg))
+    return sorted(out)
+
+
 def reward_shape(fn: RewardFn) -> str:
     """"trl" or "simple" (see the module docstring): the declared shape, else "trl"."""
     mark = getattr(fn, "asyncrl_reward_shape", None)

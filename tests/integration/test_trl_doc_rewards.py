@@ -4,7 +4,8 @@ unchanged in a tiny-model swarm: a chat-templated model, plain records with `gro
 scored by Examples 1, 1.1, 3, 4 (both functions: None where not applicable), 5 (async) and 6 (log_extra /
 log_metric), conversational records scored by Example 2 (message completions) + 1 + 5. Every step's event
 carries TRL's `rewards/<name>/mean|std`, and completions.jsonl the sampled completions with their rewards.
-The unit tests in tests/tasks/test_trl_doc_examples.py call the same functions directly."""
+A volunteer without the package is refused at the handshake with the install line before any lease. The unit
+tests in tests/tasks/test_trl_doc_examples.py call the same functions directly."""
 
 from __future__ import annotations
 
@@ -60,6 +61,13 @@ def test_trl_documented_rewards_train_unchanged_with_per_reward_metrics(procs, t
     coord = procs.start("coordinator", ["-m", "asyncrl.coordinator.cli", "run", "--config",
                                         str(tmp_path / "coordinator.toml"), "--threads", "1"], env=env)
     join = wait_for_join(run, 240, proc=coord)
+    # A volunteer without the reward package (PYTHONPATH without it) is refused at the handshake with the install
+    # line, before it asks for a lease; the coordinator records the refusal for the operator (no strike).
+    bare = procs.start("bare", ["-m", "asyncrl.client.cli", "join", join, "--name", "bare", "--data-dir",
+                                str(tmp_path / "bare"), "--threads", "1"], env={"PYTHONPATH": str(REPO)})
+    assert bare.wait(180) != 0
+    assert "REWARD_PACKAGE_MISSING" in bare.log_path.read_text()
+    assert "pip install 'trl-doc-rewards==1.17.0'" in bare.log_path.read_text()
     vol = procs.start("volunteer", ["-m", "asyncrl.client.cli", "join", join, "--name", "trl", "--data-dir",
                                     str(tmp_path / "vol"), "--prompts-per-batch", str(PROMPTS), "--fixed-lease-size",
                                     "--threads", "1"], env=env)
@@ -71,7 +79,11 @@ def test_trl_documented_rewards_train_unchanged_with_per_reward_metrics(procs, t
 
     summary = json.loads((run / "summary.json").read_text())
     assert summary["trainer_steps"] == STEPS and summary["rejected_by_client"] == {}
-    steps = [e for e in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if e["event"] == "step"]
+    events = list(map(json.loads, (run / "metrics.jsonl").read_text().splitlines()))
+    refused = [e for e in events if e["event"] == "handshake_refused"]
+    assert [e["code"] for e in refused] == ["REWARD_PACKAGE_MISSING"] and "pip install" in refused[0]["detail"]
+    assert set(summary["batches_by_client"]) == {"trl"}  # the refused one never worked
+    steps = [e for e in events if e["event"] == "step"]
     assert len(steps) == STEPS
     logged = {k.split("/")[1] for s in steps for k in s if k.startswith("rewards/") and k.endswith("/mean")}
     assert logged == NAMES  # every documented function scored something, each under its own name
