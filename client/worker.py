@@ -306,7 +306,7 @@ class Volunteer:
     def wait_for_adapter(self, timeout: float | None = None, *, report_every_s: float = 60.0):
         """The first adapter version, fetched in the background by the follower. `join` waits for it until
         stopped (a coordinator still starting, a slow network or a loaded machine is not a reason for an
-        honest volunteer to quit: an earlier 120 s limit made one exit 1 in a loaded CI run), saying every
+        honest volunteer to quit: a fixed limit makes one exit on a loaded machine), saying every
         `report_every_s` that it is still waiting. None when stopped first; `timeout` (benches) raises."""
         started = time.time()
         reported = started

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from asyncrl.runlog import read_events
+
 from .config import ConfigError, CoordinatorConfig
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
@@ -181,8 +183,6 @@ def format_status(snap: dict) -> str:
 
 
 def offline_status(run_dir: Path, *, as_json: bool) -> int:
-    from .plots import read_step_events
-
     summary_path = run_dir / "summary.json"
     if summary_path.exists():
         summary = json.loads(summary_path.read_text())
@@ -191,7 +191,7 @@ def offline_status(run_dir: Path, *, as_json: bool) -> int:
               f"{summary.get('adapter_versions_published')} versions, reward "
               f"{summary.get('reward_first', 0):.3f} -> {summary.get('reward_last', 0):.3f}")
         return EXIT_NOT_RUNNING
-    steps = read_step_events(run_dir / "metrics.jsonl")
+    steps = read_events(run_dir, "step")
     if steps:
         last = steps[-1]
         print(json.dumps(last) if as_json else

@@ -8,7 +8,7 @@ Components (each has one job; none references this hub):
   LeaseDesk   (coordinator/leasing.py) who gets which prompts, with back-pressure on in-flight work
   Ingest      verify + decode + re-score signed rollout batches; bounded queue to the learner
   Learner     GRPO steps on the LoRA adapter; owns the version counter
-  RunLog      metrics.jsonl + summary.json in the run directory
+  RunLog      (asyncrl/runlog.py) metrics.jsonl in the run directory; summary.json at the end
   Journal     (coordinator/journal.py) accepted batches on disk before their ack
   ReceiptDesk (coordinator/receipts.py) a signed contribution receipt in every ack; receipts.bin
   RunEnd      (coordinator/run_end.py) max_steps or `finish`: RUN_FINISHED, the final pointer, a short linger
@@ -32,7 +32,6 @@ the network (coordinator/publisher.py PublishWorker holds the back-pressure inva
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
 import time
 from pathlib import Path
@@ -41,6 +40,7 @@ from asyncrl.protocol import messages
 from asyncrl.protocol.atomic import read_json, write_json_atomic
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import Identity
+from asyncrl.runlog import METRICS_FILE, RunLog
 from asyncrl.swarm import streams
 from asyncrl.swarm.streams import stream_name
 
@@ -67,26 +67,6 @@ def resolve_model(cfg: CoordinatorConfig, *, out=print):
     return pinning.resolve(cfg.model, revision, out=out)
 
 
-class RunLog:
-    """Append-only JSONL metrics (one event per line, flushed) in the run directory."""
-
-    def __init__(self, path: Path, listeners=()):
-        self.path = path
-        self._f = open(path, "a", buffering=1)
-        self._lock = threading.Lock()
-        self.listeners = list(listeners)  # fn(event, record) after each line, e.g. Telemetry.observe
-
-    def write(self, event: str, **fields) -> None:
-        with self._lock:
-            record = {"event": event, "t": time.time(), **fields}
-            self._f.write(json.dumps(record) + "\n")
-            for listener in self.listeners:
-                listener(event, record)
-
-    def close(self) -> None:
-        self._f.close()
-
-
 class Coordinator:
     def __init__(self, cfg: CoordinatorConfig, *, out=print):
         self.cfg = cfg.validate()
@@ -100,7 +80,7 @@ class Coordinator:
         from .telemetry import Telemetry
 
         self.telemetry = Telemetry(cfg, self.run_dir, out=out)
-        self.log = RunLog(self.run_dir / "metrics.jsonl", listeners=[self.telemetry.observe])
+        self.log = RunLog(self.run_dir / METRICS_FILE, listeners=[self.telemetry.observe])
         self.t0 = time.time()
         self.trained_by: dict[str, int] = {}  # volunteer key fingerprint -> groups trained on (this process)
         from .run_end import RunEnd
@@ -178,12 +158,14 @@ class Coordinator:
         self.board = TaskBoard(source, lease_timeout_s=cfg.lease_timeout_s,
                                max_leases_per_client=cfg.max_leases_per_client,
                                lease_max_s=cfg.lease_max_s or cfg.lease_timeout_s,
-                               prompt_max_failures=cfg.prompt_max_failures)
+                               prompt_max_failures=cfg.prompt_max_failures,
+                               records=source.report.records if source.report is not None else 0)
         self.journal = IngestJournal(self.run_dir / "journal")
         from .access import AccessControl, AccessPolicy
         from .audit import Auditor
 
         self.access = AccessControl(AccessPolicy.from_config(cfg))  # who may talk, how often; strikes, bans
+        self.board.standing = self.access.has_accepted  # reports of proven keys weigh more (poison retirement)
         self.node.inbound.trusted = self.access.peer_has_accepted  # their requests may use the whole byte budget
         self.auditor = Auditor.from_config(cfg, self.learner)  # logprob audit; shares the learner's base weights
         self.auditor.policy.on_event = self._audit_event  # an engine class starts / ends learning its tolerance
@@ -243,8 +225,13 @@ class Coordinator:
         from .trust_state import TrustState
 
         self.trust = TrustState(self.run_dir, ingest=self.ingest, access=self.access, auditor=self.auditor,
-                                every_s=cfg.trust_state_every_s, out=self.out, engines_file=AUDIT_ENGINES_FILE)
-        self.trust.load()  # replay.bin / access.bin: nonces, batch ids and bans outlive a restart
+                                lease_desk=self.lease_desk, engines_file=AUDIT_ENGINES_FILE,
+                                every_s=cfg.trust_state_every_s, out=self.out)
+        self.trust.load()  # replay.bin / access.bin: nonces, batch ids, bans and track records outlive a restart
+        if cfg.resume:
+            back = self.board.recheck_retired()  # retirements whose reporters lost their standing come back
+            if back:
+                self.out(f"{back} retired records back in the task (their reports no longer weigh enough)")
         self.trust.start()
         # Everything up to learner.version - 1 may be held by volunteers (a resumed run's lineage).
         self.publish_worker = PublishWorker(self.publisher, self.pointer, before_visible=self._before_visible,

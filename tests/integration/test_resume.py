@@ -12,6 +12,7 @@ import signal
 import pytest
 
 from asyncrl.protocol.codec import KEYFRAME_CODEC
+from asyncrl.runlog import read_events
 
 from tests.conftest import wait_for, wait_for_join
 
@@ -19,8 +20,7 @@ pytestmark = pytest.mark.integration
 
 
 def _events(run):
-    path = run / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return read_events(run)
 
 
 def _after_resume(events):

@@ -15,6 +15,8 @@ import urllib.request
 
 import pytest
 
+from asyncrl.runlog import read_events
+
 from tests.conftest import wait_for, wait_for_join
 
 pytestmark = pytest.mark.integration
@@ -33,9 +35,7 @@ def _status(path):
 
 def _trained_by_both(run, tmp_path) -> bool:
     """>= 12 steps, each volunteer's batches in at least one of them, >= 2 adapter versions loaded by each."""
-    path = run / "metrics.jsonl"
-    events = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []
-    steps = [e for e in events if e["event"] == "step"]
+    steps = read_events(run, "step")
     return (len(steps) >= 12 and {c for e in steps for c in e["clients"]} == {"vol-0", "vol-1"}
             and all(len(set(_status(tmp_path / f"c{i}" / "status.json").get("versions_loaded") or [])) >= 2
                     for i in range(2)))
@@ -70,7 +70,7 @@ def test_two_volunteers_train_the_tiny_model(procs, tmp_path):
     assert summary["adapter_versions_published"] >= 3
     assert summary["lora_delta_norm"] > 0, "the LoRA parameters did not change"
     assert set(summary["batches_by_client"]) == {"vol-0", "vol-1"}
-    events = [json.loads(line)["event"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    events = [e["event"] for e in read_events(run)]
     assert events.count("volunteer_in") == 2 and events.index("volunteers_ready") < events.index("step")
     assert all(n >= 1 for n in summary["batches_by_client"].values()), summary
     for i in range(2):

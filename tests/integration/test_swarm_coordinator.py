@@ -8,6 +8,7 @@ import signal
 
 import pytest
 
+from asyncrl.runlog import read_events
 from asyncrl.swarm.streams import stream_name
 
 from tests.conftest import REPO, wait_for, wait_for_join
@@ -23,8 +24,7 @@ def coordinator_args(run, port: int) -> list[str]:
 
 
 def metrics(run) -> list[dict]:
-    path = run / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return read_events(run)
 
 
 def client_status(data) -> dict:

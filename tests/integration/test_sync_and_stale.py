@@ -20,6 +20,8 @@ import sys
 import pytest
 
 from asyncrl.protocol.identity import Identity
+from asyncrl.runlog import read_events
+
 from tests.conftest import REPO, wait_for_join
 
 pytestmark = pytest.mark.integration
@@ -30,10 +32,7 @@ STEP_METRICS = {"staleness_hist", "staleness_max", "ratio_mean", "ratio_min", "r
 
 
 def _events(run, kind):
-    path = run / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == kind]
+    return read_events(run, kind)
 
 
 def _tail(proc, n=2500):
