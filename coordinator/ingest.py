@@ -53,7 +53,7 @@ from .access import IDENTITY_STRIKES, IDENTITY_SUSPICIONS
 from .episodes import is_episode_lease, rescore_episode_group
 from .ingest_books import AcceptedRecord, ClientStats, ClientTable, RewardTrace, SeenIds
 from .learner import TrainGroup
-from .taskboard import LeaseRejected, TaskBoard
+from .taskboard import LeaseRejected, TaskBoard, lease_holder
 
 __all__ = ["Ingest", "AcceptedBatch", "ClientStats", "REWARD_TOLERANCE"]
 
@@ -225,10 +225,10 @@ class Ingest:
         try:
             self._admit(opened, peer, reserved)
             batch = self._decode(opened)
-            held = []
+            held, holder = [], self._holder(opened.signer, peer, batch)
             try:
-                leases = self._leases(opened, batch)
-                held = self.board.hold([l.lease_id for l in leases], opened.signer)  # no expiry under our checks
+                leases = self._leases(opened, batch, holder)
+                held = self.board.hold([l.lease_id for l in leases], holder)  # no expiry under our checks
                 verified = self._verify_leased(opened, batch, leases)
                 return self._commit(verified, peer)
             except ProtocolError as exc:
@@ -236,7 +236,7 @@ class Ingest:
                     # A refused batch is never re-sent (client/worker.py): end its leases now instead of
                     # pinning the prompts (and the back-pressure room) until they expire. Only the signer's
                     # own outstanding leases are touched.
-                    self.board.abandon([g.lease_id for g in batch.groups], opened.signer)
+                    self.board.abandon([g.lease_id for g in batch.groups], holder)
                 raise
             finally:
                 self.board.unhold(held)
@@ -274,7 +274,19 @@ class Ingest:
             raise ProtocolError(RejectCode.WRONG_RUN, f"batch is for run {batch.run_id!r}")
         return batch
 
-    def _leases(self, opened: envelope.Opened, batch: messages.RolloutBatch) -> list:
+    def _holder(self, signer: bytes, peer: str, batch: messages.RolloutBatch) -> bytes:
+        """Whose leases the batch answers (coordinator/taskboard.py `lease_holder`): those granted to requests
+        its sender made for the signer when it holds them, else the signer's own (a copy of her batch from
+        another peer is her work, trained as hers; coordinator/access.py charges and refuses such copies)."""
+        holder = lease_holder(signer, peer)
+        if holder != signer and batch.groups:
+            try:
+                self.board.peek(batch.groups[0].lease_id, holder)
+            except LeaseRejected:
+                return signer
+        return holder
+
+    def _leases(self, opened: envelope.Opened, batch: messages.RolloutBatch, holder: bytes) -> list:
         if self.sampling is not None and batch.sampling != self.sampling:
             raise ProtocolError(RejectCode.MALFORMED, "sampling parameters differ from the leased ones")
         if not self.is_published(batch.adapter_version):
@@ -282,7 +294,7 @@ class Ingest:
         leases = []
         for group in batch.groups:
             try:
-                lease = self.board.peek(group.lease_id, opened.signer)
+                lease = self.board.peek(group.lease_id, holder)
             except LeaseRejected as exc:
                 raise ProtocolError(RejectCode.UNKNOWN_LEASE, str(exc)) from None
             if lease.prompt.prompt_id != group.prompt_id:
@@ -329,7 +341,7 @@ class Ingest:
         try:
             kept = set(v.prompt_ids)
             unscored = [l for l in v.leases if l.prompt.prompt_id not in kept]
-            settled = self.board.complete_all([l.lease_id for l in v.leases], signer,
+            settled = self.board.complete_all([l.lease_id for l in v.leases], v.leases[0].client if v.leases else signer,
                                               unscored={l.lease_id for l in unscored})
         except LeaseRejected as exc:  # one expired between peek and now: refuse the whole batch, unchanged
             if item is not None and self.journal is not None:
@@ -349,7 +361,8 @@ class Ingest:
                 raise ProtocolError(RejectCode.RATE_LIMITED, "learner queue full; retry later") from None
         if v.unscorable:
             self.board.mark_dropped(v.unscorable)
-            self.board.note_unscorable([l.prompt for l in unscored], signer)  # poison prompts (taskboard.py)
+            if unscored:
+                self.board.note_unscorable([l.prompt for l in unscored], unscored[0].client)  # poison (taskboard.py)
         with self.lock:
             self.seen.add(batch_id)
             self.unscorable_groups += v.unscorable

@@ -223,6 +223,7 @@ class Coordinator:
         from .trust_state import TrustState
 
         self.trust = TrustState(self.run_dir, ingest=self.ingest, access=self.access, auditor=self.auditor,
+                                lease_desk=self.lease_desk,
                                 every_s=cfg.trust_state_every_s, out=self.out)
         self.trust.load()  # replay.bin / access.bin: nonces, batch ids, bans and track records outlive a restart
         if cfg.resume:

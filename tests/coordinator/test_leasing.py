@@ -236,3 +236,42 @@ def test_a_pausing_volunteer_returns_its_leases_and_they_go_to_someone_else_at_o
     again = grant(desk, request(bob, coordinator, 2)).leases
     assert {l.prompt_id for l in again} == {l.prompt_id for l in held[1:]}  # first in line, not after a timeout
     assert board.balanced(queued_groups=0)
+
+
+def test_copies_of_a_lease_request_never_put_leases_on_its_key_before_or_after_a_restart(tokenizer):
+    """mallory replays copies of alice's lease requests from her own peers, before alice has any accepted batch
+    and again after a coordinator restart: alice's slots stay hers (the copies lease for their sender only, and
+    cannot renew or release hers), every copy acts at most once, and the replay guard outlives the restart."""
+    from asyncrl.protocol.identity import peer_id_from_public_key
+
+    desk, coordinator, board, _ = make_desk(tokenizer, inflight=64, per_lease=8)
+    alice = Identity.generate()
+    own = peer_id_from_public_key(alice.public_key)
+    sealed = request(alice, coordinator, 8)
+    codes = []
+    for i in range(8):  # copies of one request from 8 peer ids: one acts (for its sender), the rest are replays
+        try:
+            desk.handle(sealed, peer=f"mallory-{i}")
+            codes.append("OK")
+        except ProtocolError as exc:
+            codes.append(exc.code.value)
+    assert codes == ["OK"] + ["NONCE_REUSED"] * 7, codes
+    assert alice.public_key not in board.held_by_client()  # nothing on her key
+    mine = grant(desk, request(alice, coordinator, 8))
+    assert len(mine.leases) == 8  # all of her slots
+    ids = [l.lease_id for l in mine.leases]
+    renew = messages.LeaseRequest(run_id=RUN, max_prompts=0, adapter_version=7, client_name="alice", release=tuple(ids))
+    copy = envelope.seal(alice, "lease_request", messages.encode(renew), audience=coordinator.public_key)
+    desk.handle(copy, peer="mallory-9")  # a copy of her release, sent by someone else: her leases stay out
+    assert board.held_by_client()[alice.public_key] == 8
+
+    # A coordinator restart: the lease desk's guard comes back from lease_replay.bin (TrustState).
+    saved = desk.state_bytes()
+    restarted, _, board2, _ = make_desk(tokenizer, inflight=64, per_lease=8)
+    restarted.audience = coordinator.public_key
+    restarted.load_state(saved)
+    for peer in ("mallory-0", "mallory-10", own):
+        with pytest.raises(ProtocolError) as exc:
+            restarted.handle(sealed, peer=peer)
+        assert exc.value.code is RejectCode.NONCE_REUSED
+    assert board2.counts()["leased"] == 0
