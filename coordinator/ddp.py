@@ -81,8 +81,7 @@ def finish_rank(code: int = 0) -> None:
     """A rank whose process ends here (a follower, each `ddp_check` rank): wait for the others, then end the
     process with `code` without tearing the group down. Returns only when no process group is joined.
 
-    `destroy_process_group` on gloo can hang after the work is done (pytorch/pytorch#75097: a `ddp_check`
-    rank sat 300 s past its barrier in fresh-clone run q1 on 148d206, its result written). A process
+    `destroy_process_group` on gloo can hang after the work is done (pytorch/pytorch#75097). A process
     that ends has nothing to tear down: `os._exit` closes its sockets (the others are past the barrier) and
     skips the C++ destructors that abort with gloo's threads alive. Output is flushed first.
     """

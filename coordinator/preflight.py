@@ -45,11 +45,9 @@ def open_task(cfg, tokenizer, model_config):
     TaskSourceError / PreflightError name what to change."""
     from asyncrl.tasks.sources import open_source
 
-    source = open_source(cfg.task, seed=cfg.seed, tokenizer=tokenizer, chat_template=cfg.chat_template,
-                         prompt_field=cfg.task_prompt_field, answer_field=cfg.task_answer_field,
-                         default_reward=cfg.reward_spec(), system_prompt=cfg.task_system_prompt,
+    source = open_source(cfg.task, seed=cfg.seed, tokenizer=tokenizer,
                          max_prompt_tokens=prompt_budget(model_config, cfg.max_new_tokens),
-                         oversized=cfg.oversized_records)
+                         oversized=cfg.oversized_records, **cfg.task_options())
     longest = source.report.longest_prompt_tokens if source.report else 64  # toy prompts are a few tokens
     check_batch_fits(cfg, longest)
     if source.report is not None:

@@ -22,10 +22,9 @@ _UNIT_RANK = {"heavy": 0}  # then integration files, then the rest: longest firs
 def _work_unit(path: str) -> str:
     """The work unit of a test file (a path relative to the repo): one per file, except "heavy": the whole
     adversarial package (one shared swarm and mallory) and every file that starts vLLM, one after the other
-    on one worker. Two vLLM engines at once pin their OpenMP threads to the same core; and in CI runs r1-r3
-    (2026-12-01) the real-shape test's two vLLM volunteers beside the adversarial swarm drove the load to
-    ~15, where that swarm's learner ran 17 versions ahead of its volunteers (batches dropped stale, audits
-    skipped) and streams were hung up on without an answer."""
+    on one worker. Two vLLM engines at once pin their OpenMP threads to the same core; and vLLM volunteers
+    beside the adversarial swarm load the machine so far that its learner runs many versions ahead of its
+    volunteers (batches dropped stale, audits skipped) and streams are hung up on without an answer."""
     if (path.startswith("tests/adversarial/") and path not in OWN_SWARM) or _uses_vllm(path):
         return "heavy"
     return path

@@ -8,16 +8,15 @@ import signal
 
 import pytest
 
+from asyncrl.runlog import read_events
+
 from tests.conftest import wait_for, wait_for_join
 
 pytestmark = pytest.mark.integration
 
 
 def _batch_events(run):
-    path = run / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == "batch"]
+    return read_events(run, "batch")
 
 
 def test_killed_after_spool_is_accepted_exactly_once(procs, tmp_path):
