@@ -126,6 +126,8 @@ class Coordinator:
         threading.Thread(target=call_back_then_push, args=(self.presence_tracker, self.pointer), name="call-back",
                          daemon=True).start()
 
+        from asyncrl.models import pinning
+
         from . import checkpoint
         from .ingest import Ingest
         from .journal import IngestJournal
@@ -135,7 +137,7 @@ class Coordinator:
         self.base = resolve_model(cfg, out=self.out)  # PinError (one line, exit 2) when it cannot be pinned
         path, pin = self.base.path, self.base.pin
         self.base_model, self.base_revision = pin.name, pin.revision
-        hub = not pin.revision.startswith("sha256:")  # pinned to a hub commit (else a local directory)
+        hub = pinning.is_commit_sha(pin.revision)  # a hub commit (else a local directory or a converted GGUF)
         self.out(f"base model {pin.name} pinned at {pin.revision} (tokenizer {pin.tokenizer_sha256[:19]}, "
                  f"stop tokens {list(pin.stop_token_ids)})")
         self.lora = messages.LoraSpec(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
@@ -267,6 +269,16 @@ class Coordinator:
         elif event == "volunteers_ready":
             self.out(f"all {fields['needed']} volunteers in; training starts")
 
+    async def _announced_ports(self, peer: str) -> set[int]:
+        """The TCP ports `peer`'s libp2p node announces (its identify addresses in our daemon's peer store): the
+        only ports a NAT dial-back may try besides the one it is seen connecting from (coordinator/handshake.py)."""
+        import re
+
+        for info in await self.node.p2p.list_peers():
+            if info.peer_id.to_base58() == peer:
+                return {int(p) for a in info.addrs for p in re.findall(r"/tcp/(\d+)", str(a))}
+        return set()
+
     def _proven_peer(self, peer: str) -> bool:
         access = getattr(self, "access", None)  # built after the swarm side starts
         return access is not None and access.peer_has_accepted(peer)
@@ -313,8 +325,14 @@ class Coordinator:
         self.handshake = HandshakeDesk(run_id=cfg.run_id, gate=GatePolicy.from_config(cfg),
                                        window_s=cfg.timestamp_window_s, max_staleness=cfg.max_staleness,
                                        lease_timeout_s=cfg.lease_timeout_s, pointer=lambda: self.pointer.last,
-                                       finished=lambda: self.run_end.finished)
-        node.serve(streams.INFO, self.handshake.handle, max_request_bytes=MAX_INFO_REQUEST_BYTES, with_addr=True)
+                                       finished=lambda: self.run_end.finished, announced_ports=self._announced_ports)
+
+        def admit_info(peer: str) -> None:  # banned peers, then the peer's own handshake bucket
+            self.access.check_peer(peer)
+            self.handshake.admit(peer)
+
+        node.serve(streams.INFO, self.handshake.handle, max_request_bytes=MAX_INFO_REQUEST_BYTES, with_addr=True,
+                   admit=admit_info)
         from asyncrl.swarm.serving import AdapterServer, ServeBudget
 
         # manifest + chunk handlers: banned peers refused; keys with accepted batches served first (docs/transport.md)
