@@ -46,7 +46,8 @@ class GatePolicy:
 
 class HandshakeDesk:
     def __init__(self, *, run_id: str, gate: GatePolicy, window_s: float, max_staleness: int | None,
-                 lease_timeout_s: float, pointer: Callable[[], bytes | None], finished: Callable[[], bool]):
+                 lease_timeout_s: float, pointer: Callable[[], bytes | None], finished: Callable[[], bool],
+                 environment: str = ""):
         self.run_id = run_id
         self.gate = gate
         self.window_s = window_s
@@ -54,6 +55,7 @@ class HandshakeDesk:
         self.lease_timeout_s = lease_timeout_s
         self.pointer = pointer
         self.finished = finished
+        self.environment = environment  # the run's environment pin (JSON) or ""
         self.dial_backs = TokenBucket(DIAL_BACKS_PER_S, DIAL_BACK_BURST)
 
     async def handle(self, request: bytes, peer: str, addr: str = "") -> bytes:
@@ -67,7 +69,8 @@ class HandshakeDesk:
             schema=handshake.SCHEMA_VERSION, time=envelope.clock(), window_s=self.window_s,
             refused=refusal[0].value if refusal else "", detail=refusal[1] if refusal else "",
             finished=self.finished(), pointer=self.pointer() or b"", observed_addr=addr[:256],
-            reachable_ports=reachable, max_staleness=self.max_staleness, lease_timeout_s=self.lease_timeout_s))
+            reachable_ports=reachable, max_staleness=self.max_staleness, lease_timeout_s=self.lease_timeout_s,
+            environment=self.environment))
 
     async def _dial_back(self, addr: str, ports: tuple[int, ...]) -> tuple[int, ...]:
         hit = re.match(r"/ip([46])/([^/]+)/", addr)

@@ -276,8 +276,13 @@ class Coordinator:
         from asyncrl.tasks.sources import encode_prompt, open_source
 
         cfg = self.cfg
-        source = open_source(cfg.task, seed=cfg.seed + 1, tokenizer=self.learner.tokenizer, oversized="skip",
-                             **cfg.task_options())  # as the task itself (preflight)
+        if cfg.task.startswith("env:"):  # multi-turn episodes: the environment's openings (envs/source.py)
+            from asyncrl.envs.source import open_env_source
+
+            source = open_env_source(cfg.task, seed=cfg.seed + 1, tokenizer=self.learner.tokenizer)
+        else:
+            source = open_source(cfg.task, seed=cfg.seed + 1, tokenizer=self.learner.tokenizer, oversized="skip",
+                                 **cfg.task_options())  # as the task itself (preflight)
         prompts = [list(encode_prompt(self.learner.tokenizer, next(source).text)) for _ in range(CALIBRATION_PROMPTS)]
         specs, blobs = export_lora(self.learner.model, cfg.publish_dtype)
         status = self.auditor.calibrate(tensors_from_bytes(specs, blobs), prompts, temperature=cfg.temperature,
@@ -313,12 +318,13 @@ class Coordinator:
 
         from asyncrl.protocol.handshake import MAX_INFO_REQUEST_BYTES
 
+        from .episodes import environment_pin
         from .handshake import GatePolicy, HandshakeDesk
 
         self.handshake = HandshakeDesk(run_id=cfg.run_id, gate=GatePolicy.from_config(cfg),
                                        window_s=cfg.timestamp_window_s, max_staleness=cfg.max_staleness,
                                        lease_timeout_s=cfg.lease_timeout_s, pointer=lambda: self.pointer.last,
-                                       finished=lambda: self.run_end.finished)
+                                       finished=lambda: self.run_end.finished, environment=environment_pin(cfg.task))
         node.serve(streams.INFO, self.handshake.handle, max_request_bytes=MAX_INFO_REQUEST_BYTES, with_addr=True)
         from asyncrl.swarm.serving import AdapterServer, ServeBudget
 
