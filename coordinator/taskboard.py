@@ -45,6 +45,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Iterator
 
+from asyncrl.protocol.identity import peer_id_from_public_key
 from asyncrl.tasks import Prompt
 
 
@@ -500,6 +501,17 @@ class TaskBoard:
 
 _COUNTERS = ("leased", "completed", "expired", "dropped", "released", "trained", "renewals", "returned", "retired",
              "skipped_retired", "retire_capped", "unretired")
+
+
+def lease_holder(signer: bytes, peer: str) -> bytes:
+    """Who holds the leases of a request signed by `signer` and sent by transport peer `peer`: the signer itself
+    when it came from the signer's own peer id (a volunteer's peer id is its key) or from no peer (in-process
+    callers); else the pair (signer, sender). A copy of a volunteer's lease request sent by someone else
+    therefore leases for that sender only — never on her slots, never answerable by her batches — and a batch
+    completes only leases granted to requests from the peer that delivers it."""
+    if not peer or peer == peer_id_from_public_key(signer):
+        return signer
+    return signer + hashlib.sha256(peer.encode()).digest()[:8]
 
 
 def content_key(p: Prompt) -> str:

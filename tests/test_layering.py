@@ -1,7 +1,7 @@
 """The layering, read straight off the import statements (ast only: nothing is imported or executed).
 
     protocol  <-  swarm  <-  coordinator, client          protocol imports nothing of ours
-    protocol  <-  models, tasks  <-  coordinator, client  coordinator and client never import each other
+    protocol  <-  models, tasks  <-  envs  <-  coordinator, client    coordinator and client never import each other
 
 Every top-level folder that installs is one subsystem under `asyncrl.` (pyproject's package-dir), so
 the folder list is the architecture diagram; benchmarks and test fixtures stay out of the package.
@@ -29,8 +29,9 @@ ALLOWED = {  # subsystem -> what of ours it may import ("root": the shared async
     "swarm": {"protocol"},
     "models": {"protocol"},
     "tasks": {"protocol"},
-    "coordinator": {"protocol", "swarm", "models", "tasks", "root"},
-    "client": {"protocol", "swarm", "models", "tasks", "root"},
+    "envs": {"protocol", "tasks"},
+    "coordinator": {"protocol", "swarm", "models", "tasks", "envs", "root"},
+    "client": {"protocol", "swarm", "models", "tasks", "envs", "root"},
 }
 
 
