@@ -305,12 +305,14 @@ class Coordinator:
 
         from asyncrl.protocol.handshake import MAX_INFO_REQUEST_BYTES
 
+        from .episodes import environment_pin
         from .handshake import GatePolicy, HandshakeDesk
 
         self.handshake = HandshakeDesk(run_id=cfg.run_id, gate=GatePolicy.from_config(cfg),
                                        window_s=cfg.timestamp_window_s, max_staleness=cfg.max_staleness,
                                        lease_timeout_s=cfg.lease_timeout_s, pointer=lambda: self.pointer.last,
-                                       finished=lambda: self.run_end.finished, announced_ports=self._announced_ports)
+                                       finished=lambda: self.run_end.finished, announced_ports=self._announced_ports,
+                                       environment=environment_pin(cfg.task))
 
         def admit_info(peer: str) -> None:  # banned peers, then the peer's own handshake bucket
             self.access.check_peer(peer)
