@@ -23,7 +23,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     from .config import CoordinatorConfig
-    from .loss import CORRECTIONS
+    from .loss_config import CORRECTIONS
 
     d = CoordinatorConfig()
     p = argparse.ArgumentParser(prog="asyncrl-coordinator", description="asyncrl coordinator: learner + publisher")
@@ -204,10 +204,26 @@ def main(argv: list[str] | None = None) -> int:
     coord = Coordinator(cfg, out=lambda s: print(s, flush=True))
     install_signal_handlers(coord.stop)
     signal.signal(signal.SIGUSR1, lambda signum, frame: coord.telemetry.request_plot())
-    from asyncrl.models.pinning import PinError
-    from asyncrl.tasks.sources import TaskSourceError
+    from .ddp import end_process, joined
 
+    try:
+        code = _serve(coord)
+    except BaseException:
+        if joined():  # a joined gloo/nccl group: end without the interpreter's teardown (ddp.end_process)
+            import traceback
+
+            traceback.print_exc()
+            end_process(1)
+        raise
+    end_process(code)  # under torchrun rank 0 ends here, its summary written; returns otherwise
+    return code
+
+
+def _serve(coord) -> int:
+    """Start, run, shut down; the summary line on success. The exit code."""
+    from asyncrl.models.pinning import PinError
     from asyncrl.swarm.transport import TransportError
+    from asyncrl.tasks.sources import TaskSourceError
 
     from .checkpoint import CheckpointError
     from .preflight import PreflightError
