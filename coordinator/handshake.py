@@ -61,7 +61,8 @@ class GatePolicy:
 class HandshakeDesk:
     def __init__(self, *, run_id: str, gate: GatePolicy, window_s: float, max_staleness: int | None,
                  lease_timeout_s: float, pointer: Callable[[], bytes | None], finished: Callable[[], bool],
-                 announced_ports: Callable[[str], Awaitable[set[int]]] | None = None, clock=None):
+                 announced_ports: Callable[[str], Awaitable[set[int]]] | None = None, clock=None,
+                 environment: str = ""):
         self.run_id = run_id
         self.gate = gate
         self.window_s = window_s
@@ -69,6 +70,7 @@ class HandshakeDesk:
         self.lease_timeout_s = lease_timeout_s
         self.pointer = pointer
         self.finished = finished
+        self.environment = environment  # the run's environment pin (JSON) or ""
         self._clock = clock  # None: monotonic (TokenBucket's default)
         self.dial_backs = TokenBucket(DIAL_BACKS_PER_S, DIAL_BACK_BURST, self._now())
         self.announced_ports = announced_ports  # peer -> the TCP ports its node announces (None: none known)
@@ -106,7 +108,8 @@ class HandshakeDesk:
             schema=handshake.SCHEMA_VERSION, time=envelope.clock(), window_s=self.window_s,
             refused=refusal[0].value if refusal else "", detail=refusal[1] if refusal else "",
             finished=self.finished(), pointer=self.pointer() or b"", observed_addr=addr[:256],
-            reachable_ports=reachable, max_staleness=self.max_staleness, lease_timeout_s=self.lease_timeout_s))
+            reachable_ports=reachable, max_staleness=self.max_staleness, lease_timeout_s=self.lease_timeout_s,
+            environment=self.environment))
 
     async def _dial_back(self, peer: str, addr: str, ports: tuple[int, ...]) -> tuple[int, ...]:
         hit = re.match(r"/ip([46])/([^/]+)/", addr)

@@ -281,13 +281,15 @@ class Receipt(_Message):
     total_tokens: int
 
 
-def rollout_batch_bytes_bound(*, groups: int, group_size: int, max_new_tokens: int, prompt_tokens: int) -> int:
+def rollout_batch_bytes_bound(*, groups: int, group_size: int, max_new_tokens: int, prompt_tokens: int,
+                              episodes: bool = False) -> int:
     """The most bytes an encoded RolloutBatch of this shape takes: every completion at max_new_tokens,
     every prompt at `prompt_tokens`, ids and names at their longest. Exact per part (each part encoded as
-    it would be sent), plus 4 bytes per array/bin header for the growth of msgpack length headers."""
+    it would be sent), plus 4 bytes per array/bin header for the growth of msgpack length headers.
+    `episodes`: completions are multi-turn transcripts of max_new_tokens tokens carrying an env_mask."""
     name = "x" * 128
     comp = Completion(token_ids=bytes(4 * max_new_tokens), logprobs=bytes(4 * max_new_tokens), reward=-1e300,
-                      finish_reason="length", env_mask=bytes(max_new_tokens))
+                      finish_reason="length", env_mask=bytes(max_new_tokens) if episodes else b"")
     group = RolloutGroup(lease_id=name, prompt_id=name * 2, prompt_token_ids=bytes(4 * prompt_tokens), completions=())
     batch = RolloutBatch(run_id=name, adapter_version=2**62, client_name=name, groups=(), generated_at=0.0,
                          sampling=SamplingParams(temperature=1e300, top_p=1e300, top_k=2**62, max_new_tokens=2**62))
