@@ -33,6 +33,7 @@ from collections import Counter
 from pathlib import Path
 
 from asyncrl.protocol.atomic import write_json_atomic
+from asyncrl.runlog import read_events
 
 EXIT_FAILED, EXIT_USAGE = 1, 2
 VOLUNTEER_GRACE_S = 15.0  # a volunteer on SIGTERM finishes its batch and flushes its outbox
@@ -227,23 +228,12 @@ def _tail(path: Path, n: int = 3000) -> str:
     return path.read_text(errors="replace")[-n:] if path.exists() else f"(no {path.name})"
 
 
-def _events(metrics: Path) -> list[dict]:
-    out = []
-    if metrics.exists():
-        for line in metrics.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:  # a line being written as we read
-                continue
-    return out
-
-
 def _read_summary(run: Path) -> dict | None:
     """summary.json when the coordinator wrote it, else what metrics.jsonl shows (an interrupted start-up)."""
     path = run / "summary.json"
     if path.exists():
         return json.loads(path.read_text())
-    events = _events(run / "metrics.jsonl")
+    events = read_events(run)
     if not events:
         return None
     steps = [e for e in events if e["event"] == "step"]
@@ -270,7 +260,7 @@ def _client_versions(run: Path, clients: int) -> dict[str, int]:
 
 def _progress_line(metrics: Path, steps: int, t0: float) -> str:
     step, reward, batches = 0, float("nan"), 0
-    for ev in _events(metrics):
+    for ev in read_events(metrics):
         if ev["event"] == "step":
             step, reward = ev["step"], ev["reward_mean"]
         elif ev["event"] == "batch":

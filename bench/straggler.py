@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 from asyncrl.protocol.atomic import write_json_atomic
+from asyncrl.runlog import read_events
 
 VOLUNTEERS = 3
 SLOW_DUTY = 0.2
@@ -77,18 +78,6 @@ def session_cpu_s(proc: subprocess.Popen) -> float:
         if int(fields[3]) == proc.pid:  # field 6 of stat: session id
             total += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
     return total
-
-
-def read_events(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:  # a line being written right now
-            break
-    return out
 
 
 def moving_average(values: list[float], window: int) -> list[float]:

@@ -43,9 +43,10 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from asyncrl.runlog import read_events  # noqa: E402
+
 from bench.broadcast import MemorySampler, Proc, cpu_seconds  # noqa: E402
 from bench.results import REPO, provenance, write_result  # noqa: E402
-
 
 
 class Coordinator:
@@ -71,16 +72,7 @@ class Coordinator:
         raise TimeoutError("coordinator did not start")
 
     def events(self, kind: str) -> list[dict]:
-        out = []
-        path = self.run_dir / "metrics.jsonl"
-        for line in path.read_text().splitlines() if path.exists() else []:
-            try:
-                e = json.loads(line)
-            except ValueError:
-                continue
-            if e.get("event") == kind:
-                out.append(e)
-        return out
+        return read_events(self.run_dir, kind)
 
     def stop(self) -> dict:
         if self.p.poll() is None:

@@ -33,9 +33,10 @@ def add_join_arguments(join: argparse.ArgumentParser) -> None:
                            "together with --coordinator; several may be given (any one that answers suffices)")
     join.add_argument("--data-dir", type=Path, default=default_data_dir(), help="identity, outbox, status, receipts")
     join.add_argument("--name", default="", help="display name shown to the operator")
-    join.add_argument("--model", default=None, metavar="DIR",
-                      help="local copy of the base model (default: fetch the manifest's pinned revision); its "
-                           "content hash must match the run's pin, or the client refuses to start")
+    join.add_argument("--model", default=None, metavar="DIR|FILE.gguf",
+                      help="local copy of the base model, a directory or the run's GGUF file (default: fetch the "
+                           "manifest's pinned revision, or the named GGUF model); its content hash must match the "
+                           "run's pin, or the client refuses to start")
     join.add_argument("--max-batches", type=int, default=0, help="stop after this many acked batches (0 = never)")
     join.add_argument("--prompts-per-batch", type=int, default=4,
                       help="most prompts per lease; fewer when this machine is too slow to return them in time")

@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from asyncrl.swarm import hivemind_private
+
 from .checks import FAIL, PASS, SKIP, WARN, Check, clock_check, exchange, local_versions, tcp_check, version_check
 
 ORDER = ("versions", "engine", "memory", "disk", "tcp", "libp2p", "pointer", "chunk", "nat", "clock")
@@ -92,7 +94,7 @@ class Doctor:
 
         base = Multiaddr(addr.maddr).decapsulate(Multiaddr(f"/p2p/{addr.peer_id}"))
         try:
-            node.loops.run(node.p2p._client.connect(PeerID.from_base58(addr.peer_id), [base]),
+            node.loops.run(hivemind_private.connect(node.p2p, PeerID.from_base58(addr.peer_id), [base]),
                            timeout=CONNECT_TIMEOUT_S)
         except Exception as exc:
             text = str(exc)

@@ -41,6 +41,8 @@ from asyncrl.protocol.identity import Identity
 from asyncrl.swarm import streams
 from asyncrl.swarm.streams import stream_name
 
+from .episodes import episode_completion, generate_episodes, is_episode_lease
+
 # Test-only fault injection (hivemind-style): ASYNCRL_FAULT=slow-generate:S makes each work take S seconds
 # more (a slow GPU), slow-prompt:S S seconds more per leased prompt (a slow GPU, in proportion to the
 # work: tests/integration/test_sized_leases.py); ASYNCRL_FAULT=hold-uploads makes it keep working but upload
@@ -129,6 +131,7 @@ class VolunteerStatus:
     batches_deferred: dict[str, int] = field(default_factory=dict)  # answered "later" (kept), by code
     batches_quarantined: int = 0  # set aside in outbox/quarantine (too large, not admitted, ...)
     batches_split: int = 0        # too large for the coordinator's cap: split by groups
+    env_errors: int = 0           # multi-turn leases whose environment raised or hung here (lease abandoned)
     groups_unscorable: int = 0    # our own reward check could not finish: group not sent (lease expires)
     rollouts: int = 0
     tokens: int = 0
@@ -187,6 +190,13 @@ def engine_dtype(engine) -> str:
     """The wire name of the dtype an engine computes logprobs in ("" when it does not say)."""
     name = str(getattr(engine, "dtype", "")).replace("torch.", "")
     return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(name, "")
+
+
+def engine_kind(engine) -> str:
+    """The wire name of an engine's kind (its `name`: "transformers", "vllm"; "" when it has none or one the
+    wire cannot carry): the coordinator learns an audit tolerance per kind and dtype."""
+    name = str(getattr(engine, "name", "")).lower()
+    return name if 0 < len(name) <= 32 and all(c.isalnum() or c in "_.-" for c in name) and name.isascii() else ""
 
 
 class BaseModelMismatch(RuntimeError):
@@ -332,7 +342,7 @@ class Volunteer:
     def wait_for_adapter(self, timeout: float | None = None, *, report_every_s: float = 60.0):
         """The first adapter version, fetched in the background by the follower. `join` waits for it until
         stopped (a coordinator still starting, a slow network or a loaded machine is not a reason for an
-        honest volunteer to quit: an earlier 120 s limit made one exit 1 in a loaded CI run), saying every
+        honest volunteer to quit: a fixed limit makes one exit on a loaded machine), saying every
         `report_every_s` that it is still waiting. None when stopped first; `timeout` (benches) raises."""
         started = time.time()
         reported = started
@@ -613,13 +623,16 @@ class Volunteer:
                               f"this engine's context of {limit} tokens", counter="leases_too_long")
             else:
                 todo.append(lease)
+        episodes = [(l, self._episodes(l, group_size, sampling)) for l in todo if is_episode_lease(l)]
+        episodes = [(l, samples) for l, samples in episodes if samples is not None]
+        todo = [l for l in todo if not is_episode_lease(l)]
         if not todo:
-            return []
+            return episodes
         prompts = [np.frombuffer(l.prompt_token_ids, dtype="<i4").tolist() for l in todo]
         try:
             done = list(zip(todo, self.engine.generate(prompts, group_size, sampling)))
             self._engine_failures = 0
-            return done
+            return episodes + done
         except Exception as exc:  # noqa: BLE001 - any engine error: find the lease it belongs to
             first = exc
         done = []
@@ -637,7 +650,18 @@ class Volunteer:
         if self._engine_failures >= ENGINE_FAILURE_STREAK:
             raise EngineFailed(f"the engine failed every lease of {self._engine_failures} works in a row; last "
                                f"error: {first.__class__.__name__}: {str(first)[:300]}") from first
-        return done
+        return episodes + done
+
+    def _episodes(self, lease, group_size: int, sampling) -> list | None:
+        """A multi-turn lease played turn by turn (client/episodes.py); an environment that fails here costs
+        this lease only (None)."""
+        from asyncrl.envs import EnvError
+
+        try:
+            return generate_episodes(self.engine, lease, group_size, sampling)
+        except EnvError as exc:
+            self._abandon(lease, f"environment failed: {str(exc)[:300]}", counter="env_errors")
+            return None
 
     def _generate_politely(self, leases, group_size: int, sampling) -> tuple[list[tuple], list, str | None]:
         """(generated, unfinished, pause reason). With --only-when-idle one prompt at a time, asking
@@ -729,6 +753,9 @@ class Volunteer:
             for lease, group in work.generated:
                 texts = [self.engine.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in group]
                 prompt = tasks.Prompt(lease.prompt_id, lease.prompt, lease.answer, lease.reward, lease.columns)
+                if is_episode_lease(lease):  # the environment scored its episodes as they were played
+                    results.append((lease, group, [s.reward for s in group]))
+                    continue
                 try:  # the coordinator re-scores with this same call (coordinator/ingest.py)
                     results.append((lease, group, tasks.score_group(prompt, texts, [s.token_ids for s in group]).rewards))
                 except Exception as exc:  # noqa: BLE001 - a broken reward costs its group, not the volunteer
@@ -753,7 +780,7 @@ class Volunteer:
                 continue
             comps = []
             for s, reward in zip(group, scored):
-                comps.append(messages.Completion(
+                comps.append(episode_completion(s) if is_episode_lease(lease) else messages.Completion(
                     token_ids=np.asarray(s.token_ids, dtype="<i4").tobytes(),
                     logprobs=np.asarray(s.logprobs, dtype="<f4").tobytes(), reward=reward,
                     finish_reason=s.finish_reason))
@@ -771,7 +798,7 @@ class Volunteer:
             return 0
         batch = messages.RolloutBatch(run_id=self.run_id, adapter_version=work.version, client_name=self.name,
                                       sampling=work.leases[0].sampling, groups=tuple(groups), generated_at=time.time(),
-                                      engine_dtype=engine_dtype(self.engine))
+                                      engine_dtype=engine_dtype(self.engine), engine_kind=engine_kind(self.engine))
         try:
             spooled = self._spool(batch)
         except OutboxFull as exc:  # the disk cap: these leases expire; the engine thread pauses near the cap

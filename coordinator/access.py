@@ -15,8 +15,8 @@ Owned here and nowhere else:
     version or timeout of its own), not for FUTURE_VERSION (a coordinator restarted without --resume
     under the same key numbers its versions from 0 again, so every honest volunteer still holding the
     old lineage's newer adapter, and every batch it spooled during the outage, claims a version this
-    lineage has not published; striking those banned an honest volunteer within 3 batches, CI
-    2026-12-02 test_coordinator_restart_does_not_kill_clients; the batch is refused either way, so the
+    lineage has not published; striking those would ban an honest volunteer within a few batches
+    (tests/integration/test_swarm_coordinator.py); the batch is refused either way, so the
     claim never reaches a gradient), not for anything our side could not finish
     (UNSCORABLE), and never for replays, expired timestamps or a foreign audience: anyone can replay
     someone else's envelope, and strikes must not be a way to get an honest volunteer banned.
@@ -61,7 +61,8 @@ from asyncrl.protocol.identity import PUBLIC_KEY_BYTES, fingerprint, peer_id_fro
 from asyncrl.swarm.rate import TokenBucket
 
 # Offences that only the holder of the signing key can commit (the payload itself is the lie).
-IDENTITY_STRIKES = frozenset({RejectCode.LOGPROB_MISMATCH, RejectCode.MALFORMED})
+# ENV_MISMATCH: the replay of a pinned, deterministic environment disagrees with the claimed episode (envs/).
+IDENTITY_STRIKES = frozenset({RejectCode.LOGPROB_MISMATCH, RejectCode.MALFORMED, RejectCode.ENV_MISMATCH})
 # Suspicious but not proof (honest code can produce it): no strike, the key loses its track record
 # (audited on every batch again). FUTURE_VERSION: see "strikes" in the module docstring.
 IDENTITY_SUSPICIONS = frozenset({RejectCode.REWARD_MISMATCH, RejectCode.FUTURE_VERSION})
@@ -184,6 +185,9 @@ class _State(msgspec.Struct, forbid_unknown_fields=True):
     banned: list[bytes]
     banned_peers: list[str]
     strikes: dict[str, int]  # hex key -> strikes (identities that have any)
+    # hex key -> [accepted, valid_streak, own_peer_seen] (identities with accepted batches; version 2 on): a
+    # restarted coordinator still knows who is proven and which keys deliver from their own peer
+    records: dict[str, list[int]] = {}
 
 
 class AccessControl:
@@ -232,9 +236,14 @@ class AccessControl:
             key = public_key_from_peer_id(peer)
         except ProtocolError:
             return False
+        return self.has_accepted(key)
+
+    def has_accepted(self, key: bytes) -> bool:
+        """True when `key` has accepted batches and no ban: its word weighs more than a fresh key's
+        (coordinator/taskboard.py retirement)."""
         with self._lock:
             rec = self._ids.get(key)
-            return rec is not None and rec.accepted > 0 and key not in self.banned
+            return rec is not None and rec.accepted > 0 and key not in self.banned and key not in self.banlist
 
     def check_signer(self, key: bytes) -> None:
         """Stateless: banned keys, and keys missing from the allowlist, are refused (NOT_ALLOWED)."""
@@ -391,18 +400,22 @@ class AccessControl:
             }
 
     def state_bytes(self) -> bytes:
-        """Bans and strikes (msgpack, no pickle) so a restarted coordinator keeps them."""
+        """Bans, strikes and track records (msgpack, no pickle) so a restarted coordinator keeps them."""
         with self._lock:
-            state = _State(1, sorted(self.banned), sorted(self.banned_peers),
-                           {k.hex(): r.strikes for k, r in self._ids.items() if r.strikes})
+            state = _State(2, sorted(self.banned), sorted(self.banned_peers),
+                           {k.hex(): r.strikes for k, r in self._ids.items() if r.strikes},
+                           {k.hex(): [r.accepted, r.valid_streak, int(r.own_peer_seen)]
+                            for k, r in self._ids.items() if r.accepted})
         return msgspec.msgpack.encode(state)
 
     def load_state(self, data: bytes) -> None:
         try:
             state = msgspec.msgpack.decode(data, type=_State)
-            if state.version != 1 or any(len(k) != PUBLIC_KEY_BYTES for k in state.banned):
+            if state.version not in (1, 2) or any(len(k) != PUBLIC_KEY_BYTES for k in state.banned):
                 raise ValueError("unknown version or bad key")
             strikes = {bytes.fromhex(k): int(v) for k, v in state.strikes.items()}
+            records = {bytes.fromhex(k): (int(v[0]), int(v[1]), bool(v[2])) for k, v in state.records.items()
+                       if len(v) == 3 and min(v) >= 0}
         except Exception as exc:
             raise ProtocolError(RejectCode.MALFORMED, f"access state: {exc}") from None
         with self._lock:
@@ -413,3 +426,7 @@ class AccessControl:
             for key, n in strikes.items():
                 if len(key) == PUBLIC_KEY_BYTES and n > 0 and math.isfinite(n):
                     self._identity(key).strikes = n
+            for key, (accepted, streak, own) in records.items():
+                if len(key) == PUBLIC_KEY_BYTES:
+                    rec = self._identity(key)
+                    rec.accepted, rec.valid_streak, rec.own_peer_seen = accepted, streak, own

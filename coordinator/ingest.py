@@ -50,9 +50,10 @@ from asyncrl.protocol.identity import fingerprint, peer_id_from_public_key
 from asyncrl.tasks.sources import encode_prompt
 
 from .access import IDENTITY_STRIKES, IDENTITY_SUSPICIONS
+from .episodes import is_episode_lease, rescore_episode_group
 from .ingest_books import AcceptedRecord, ClientStats, ClientTable, RewardTrace, SeenIds
 from .learner import TrainGroup
-from .taskboard import LeaseRejected, TaskBoard
+from .taskboard import LeaseRejected, TaskBoard, lease_holder
 
 __all__ = ["Ingest", "AcceptedBatch", "ClientStats", "REWARD_TOLERANCE"]
 
@@ -78,7 +79,8 @@ class AcceptedBatch:
     signer: str = ""  # the volunteer's key fingerprint (names are self-chosen; --sync counts keys)
     prompt_ids: tuple[str, ...] = ()  # the leased prompts its groups answer (journal replay settles them)
     signer_key: bytes = b""  # the raw key (a journal replay re-registers a pending train-time audit)
-    engine_dtype: str = ""   # what the batch said its engine computed in (the audit's tolerance)
+    engine_dtype: str = ""   # what the batch said its engine computed in (the audit's tolerance) ...
+    engine_kind: str = ""    # ... and which engine (the audit learns a tolerance per kind x dtype)
 
 
 @dataclass
@@ -197,7 +199,8 @@ class Ingest:
             if not by_sender:  # a refused copy from another peer is no verdict on the signer's batch (it is
                 self._verdict(batch_id, signer, exc.code.value, "ingest")  # counted on that peer: access.py)
             accepted = exc.code is RejectCode.DUPLICATE_BATCH  # the client may delete its copy
-            receipt = self.receipts.lookup(batch_id) if accepted and self.receipts is not None else b""
+            receipt = (self.receipts.lookup(batch_id, signer)  # only to its owner, from her own peer (receipts.py)
+                       if accepted and signer is not None and self.receipts is not None else b"")
             return messages.Ack(batch_id=batch_id, accepted=accepted, code=exc.code.value,
                                 detail=exc.detail[:limits.MAX_DETAIL_CHARS], receipt=receipt)
 
@@ -223,10 +226,10 @@ class Ingest:
         try:
             self._admit(opened, peer, reserved)
             batch = self._decode(opened)
-            held = []
+            held, holder = [], self._holder(opened.signer, peer, batch)
             try:
-                leases = self._leases(opened, batch)
-                held = self.board.hold([l.lease_id for l in leases], opened.signer)  # no expiry under our checks
+                leases = self._leases(opened, batch, holder)
+                held = self.board.hold([l.lease_id for l in leases], holder)  # no expiry under our checks
                 verified = self._verify_leased(opened, batch, leases)
                 return self._commit(verified, peer)
             except ProtocolError as exc:
@@ -234,7 +237,7 @@ class Ingest:
                     # A refused batch is never re-sent (client/worker.py): end its leases now instead of
                     # pinning the prompts (and the back-pressure room) until they expire. Only the signer's
                     # own outstanding leases are touched.
-                    self.board.abandon([g.lease_id for g in batch.groups], opened.signer)
+                    self.board.abandon([g.lease_id for g in batch.groups], holder)
                 raise
             finally:
                 self.board.unhold(held)
@@ -272,7 +275,19 @@ class Ingest:
             raise ProtocolError(RejectCode.WRONG_RUN, f"batch is for run {batch.run_id!r}")
         return batch
 
-    def _leases(self, opened: envelope.Opened, batch: messages.RolloutBatch) -> list:
+    def _holder(self, signer: bytes, peer: str, batch: messages.RolloutBatch) -> bytes:
+        """Whose leases the batch answers (coordinator/taskboard.py `lease_holder`): those granted to requests
+        its sender made for the signer when it holds them, else the signer's own (a copy of her batch from
+        another peer is her work, trained as hers; coordinator/access.py charges and refuses such copies)."""
+        holder = lease_holder(signer, peer)
+        if holder != signer and batch.groups:
+            try:
+                self.board.peek(batch.groups[0].lease_id, holder)
+            except LeaseRejected:
+                return signer
+        return holder
+
+    def _leases(self, opened: envelope.Opened, batch: messages.RolloutBatch, holder: bytes) -> list:
         if self.sampling is not None and batch.sampling != self.sampling:
             raise ProtocolError(RejectCode.MALFORMED, "sampling parameters differ from the leased ones")
         if not self.is_published(batch.adapter_version):
@@ -280,7 +295,7 @@ class Ingest:
         leases = []
         for group in batch.groups:
             try:
-                lease = self.board.peek(group.lease_id, opened.signer)
+                lease = self.board.peek(group.lease_id, holder)
             except LeaseRejected as exc:
                 raise ProtocolError(RejectCode.UNKNOWN_LEASE, str(exc)) from None
             if lease.prompt.prompt_id != group.prompt_id:
@@ -307,7 +322,7 @@ class Ingest:
             streak = self.access.valid_streak(opened.signer) if self.access is not None else 0
             audit = self.auditor.check(opened.signer, opened.payload_id, batch.adapter_version, groups,
                                        valid_streak=streak, current_version=self.current_version(),
-                                       engine_dtype=batch.engine_dtype)
+                                       engine_dtype=batch.engine_dtype, engine_kind=batch.engine_kind)
         return _Verified(opened, batch, leases, groups, tuple(prompt_ids), unscorable, audit)
 
     def _commit(self, v: _Verified, peer: str) -> messages.Ack:
@@ -318,7 +333,8 @@ class Ingest:
             rewards = [r for g in v.groups for r in g.rewards]
             item = AcceptedBatch(batch_id, v.batch.client_name, v.groups, float(np.mean(rewards)),
                                  v.batch.adapter_version, time.time(), signer=fingerprint(signer),
-                                 prompt_ids=v.prompt_ids, signer_key=signer, engine_dtype=v.batch.engine_dtype)
+                                 prompt_ids=v.prompt_ids, signer_key=signer, engine_dtype=v.batch.engine_dtype,
+                                 engine_kind=v.batch.engine_kind)
             if self.journal is not None:
                 try:
                     self.journal.put(item)  # durable before anything else changes
@@ -327,7 +343,7 @@ class Ingest:
         try:
             kept = set(v.prompt_ids)
             unscored = [l for l in v.leases if l.prompt.prompt_id not in kept]
-            settled = self.board.complete_all([l.lease_id for l in v.leases], signer,
+            settled = self.board.complete_all([l.lease_id for l in v.leases], v.leases[0].client if v.leases else signer,
                                               unscored={l.lease_id for l in unscored})
         except LeaseRejected as exc:  # one expired between peek and now: refuse the whole batch, unchanged
             if item is not None and self.journal is not None:
@@ -347,7 +363,8 @@ class Ingest:
                 raise ProtocolError(RejectCode.RATE_LIMITED, "learner queue full; retry later") from None
         if v.unscorable:
             self.board.mark_dropped(v.unscorable)
-            self.board.note_unscorable([l.prompt for l in unscored], signer)  # poison prompts (taskboard.py)
+            if unscored:
+                self.board.note_unscorable([l.prompt for l in unscored], unscored[0].client)  # poison (taskboard.py)
         with self.lock:
             self.seen.add(batch_id)
             self.unscorable_groups += v.unscorable
@@ -363,8 +380,9 @@ class Ingest:
         self._verdict(batch_id, signer, "ACCEPTED", "ingest", audit=v.audit)
         detail = f"{v.unscorable} group(s) could not be scored here and were dropped (not your fault)" \
             if v.unscorable else ""
+        receipt = self._receipt(signer, batch_id, v.batch, v.groups)  # issued and logged whoever delivered it...
         return messages.Ack(batch_id=batch_id, accepted=True, detail=detail,
-                            receipt=self._receipt(signer, batch_id, v.batch, v.groups))
+                            receipt=b"" if _foreign(signer, peer) else receipt)  # ...handed only to its owner
 
     # ---- trust bookkeeping (coordinator/access.py, coordinator/audit.py, coordinator/trust_state.py) ----
     def _verdict(self, batch_id: bytes, signer: bytes | None, code: str, stage: str, **extra) -> None:
@@ -449,7 +467,12 @@ def rescore_group(tokenizer, group: messages.RolloutGroup, lease, batch: message
     finish_reason re-derived from the tokens and the pinned stop set (MALFORMED if the claim differs; with
     no stop set only a full-length "length" completion counts as truncated), every reward recomputed from
     the decoded completion (REWARD_MISMATCH otherwise) — or, with `bounds` (tasks.PrintableTable), without
-    decoding when the reward cannot but be 0. bench/ingest.py times it."""
+    decoding when the reward cannot but be 0. bench/ingest.py times it. A multi-turn episode's group (its lease
+    names an environment) is replayed instead: coordinator/episodes.py."""
+    if is_episode_lease(lease):
+        return rescore_episode_group(tokenizer, group, lease, batch, stop_token_ids=stop_token_ids)
+    if any(c.env_mask for c in group.completions):  # tokens marked unsampled would escape the logprob audit
+        raise ProtocolError(RejectCode.ENV_MISMATCH, "environment tokens in an answer to a lease without an environment")
     if lease.prompt_token_ids is not None:  # as granted: the same encode_prompt, done once at lease time
         if bytes(group.prompt_token_ids) != lease.prompt_token_ids:
             raise ProtocolError(RejectCode.MALFORMED, "prompt tokens differ from the leased prompt")

@@ -54,6 +54,9 @@ class TrainGroup:
     audit: bool = False    # check its sampling logprobs against this step's forward pass (coordinator/audit.py)
     truncated: list[bool] = field(default_factory=list)
     """Per completion: finish_reason "length" as ingest derived it (empty = none); loss.mask_truncated drops them."""
+    env_masks: list | None = None
+    """Per completion of a multi-turn episode (envs/): 1 per environment token (no loss, no logprob audit), or
+    None for a completion the model sampled whole; None = no episodes in this group."""
 
     def truncated_flags(self) -> list[bool]:
         return list(self.truncated) if self.truncated else [False] * len(self.completions)
@@ -73,6 +76,7 @@ class Row:
     loss_mask: list[float] | None = None  # per completion token (None = all 1); truncation masks go here
     staleness: int = 0       # learner version - the version that generated it (coordinator/corrections.py)
     weight: float = 1.0      # `stale_weighting` row weight
+    sampled: list[float] | None = None  # per completion token: 1 = sampled by the model, 0 = environment token
 
     @property
     def comp_len(self) -> int:
@@ -96,9 +100,14 @@ def rows_of(groups: list[TrainGroup]) -> list[Row]:
     rows = []
     for gi, g in enumerate(groups):
         prompt = np.asarray(g.prompt_ids, dtype=np.int64)
-        for comp, lp, r in zip(g.completions, g.sampling_logprobs, g.rewards):
-            rows.append(Row(np.concatenate((prompt, np.asarray(comp, dtype=np.int64))), len(prompt),
-                            np.array(lp, dtype=np.float32), float(r), gi, g.temperature))
+        masks = g.env_masks or [None] * len(g.completions)
+        for comp, lp, r, env in zip(g.completions, g.sampling_logprobs, g.rewards, masks):
+            row = Row(np.concatenate((prompt, np.asarray(comp, dtype=np.int64))), len(prompt),
+                      np.array(lp, dtype=np.float32), float(r), gi, g.temperature)
+            if env is not None:  # an episode: its environment tokens are context, never loss (envs/episode.py)
+                row.sampled = (1.0 - np.asarray(env, dtype=np.float32)).tolist()
+                row.loss_mask = list(row.sampled)
+            rows.append(row)
     return rows
 
 
@@ -338,15 +347,19 @@ def make_scheduler(optimizer, kind: str, *, warmup_steps: int = 0, total_steps: 
 
 def score_rows(scorer, rows: list[Row], pad_id: int, device, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """No-grad completion log-probs of `rows` ([rows, Tmax] in the given order, CPU) and the [rows, Tmax]
-    mask of generated tokens (1 for j < comp_len: every sampled token, whatever the loss mask says)."""
+    mask of generated tokens (1 for j < comp_len: every sampled token, whatever the loss mask says; an
+    episode's environment tokens are 0 — nothing was sampled there, so the audit does not look at them)."""
     tmax = max((r.comp_len for r in rows), default=0)
     logps = torch.zeros((len(rows), tmax))
     for idx in plan_micro_batches([len(r.ids) for r in rows], max_tokens):
         batch = collate_rows([rows[i] for i in idx], pad_id, device)
         part = scorer(batch, entropy=False).logps.float().cpu()
         logps[idx, :part.shape[1]] = part
-    generated = torch.arange(tmax).unsqueeze(0) < torch.tensor([r.comp_len for r in rows]).unsqueeze(1)
-    return logps, generated.float()
+    generated = (torch.arange(tmax).unsqueeze(0) < torch.tensor([r.comp_len for r in rows]).unsqueeze(1)).float()
+    for i, r in enumerate(rows):
+        if r.sampled is not None:
+            generated[i, :r.comp_len] = torch.tensor(r.sampled)
+    return logps, generated
 
 
 def collate_groups(groups: list[TrainGroup], pad_id: int, device) -> dict[str, torch.Tensor]:

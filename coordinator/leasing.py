@@ -20,7 +20,8 @@ Fair share (`FairShare`, docs/scale.md), so that hundreds of volunteers share th
     that share until their leases expire; with nobody proven yet (a run's start) they share all of it;
   * "active" = asked within `active_window_s`.
 An empty grant carries `retry_after_s`: volunteers that found no room wait in a line (proven first,
-then by when they started waiting); the one at place p is told `idle_retry_s * (1 + p)`, at most
+then by when they started waiting: a proven volunteer joins behind the proven waiters only, however many
+fresh keys wait, so a Sybil crowd cannot push her to the back); the one at place p is told `idle_retry_s * (1 + p)`, at most
 `max_idle_retry_s` (stretched so that the whole line asks at most `max_idle_polls_per_s` times a second).
 The front of the line asks again soon and gets the next free room; the back costs almost nothing.
 
@@ -30,6 +31,13 @@ within — the lease's life with renewals (`lease_max_s`, or `lease_timeout_s` w
 size its next request (`messages.lease_budget_s`, one formula for both sides). A request that reports
 its measured `seconds_per_prompt` is cut to what fits LEASE_SAFETY of that budget, and refused TOO_SLOW,
 with the numbers, when even one prompt cannot make it: its work would only expire or go stale.
+
+Bound to the sender, once: a request is answered for `lease_holder(signer, peer)` (coordinator/taskboard.py) —
+the signer when its own peer id sent it, else the (signer, sender) pair — so a copy of a volunteer's request
+sent by anyone else never puts leases on her key, renews, releases or reports hers, and her batches never
+answer its leases. Each request's (signer, nonce) is accepted once (NONCE_REUSED, charged to the sending
+peer), and the guard is written to lease_replay.bin with the trust state, so a copy replayed after a restart
+is refused too (a copy older than the timestamp window is EXPIRED by the envelope).
 
 Renewals ride on the same request (`LeaseRequest.renew`, TaskBoard.renew): they are answered before any
 grant, and a request for 0 prompts only renews (it never joins the idle line). So do returns
@@ -56,7 +64,11 @@ from asyncrl.protocol import envelope, handshake, messages
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.tasks.sources import encode_prompt
 
+from .taskboard import lease_holder
+
 MAX_LEASE_REQUEST_BYTES = 64 * 1024
+REPLAY_ENTRIES = 200_000
+"""Lease-request nonces remembered (within the timestamp window); beyond, the oldest become an EXPIRED floor."""
 VERSION_WINDOW = 8
 """The publish interval that sizes leases is averaged over this many recent publishes."""
 COUNT_EVERY_S = 1.0
@@ -124,6 +136,7 @@ class FairShare:
         self._lock = threading.Lock()
         self._active: OrderedDict[bytes, float] = OrderedDict()  # key -> last request (oldest first)
         self._waiting: OrderedDict[bytes, float] = OrderedDict()  # key -> last empty grant (first waiter first)
+        self._waiting_proven: set[bytes] = set()  # the proven keys among them (the front of the line)
         self._counted_at = -math.inf
         self.active_proven = self.active_new = 0
         self._places: dict[bytes, int] = {}
@@ -154,6 +167,7 @@ class FairShare:
         with self._lock:
             self.counters["granted"] += 1
             self._waiting.pop(key, None)
+            self._waiting_proven.discard(key)
 
     def idle(self, key: bytes, *, proven: bool) -> float:
         """An empty grant for `key`: put it in the line; how long it should wait before asking again."""
@@ -161,9 +175,13 @@ class FairShare:
         with self._lock:
             now = self._clock()
             self.counters["empty"] += 1
-            if key not in self._waiting:
+            if key not in self._waiting:  # proven keys join behind the proven waiters only, never behind fresh ones
                 self._waiting[key] = now
-                self._places[key] = len(self._waiting) - 1 + (0 if proven else self.active_proven)
+                if proven:
+                    self._waiting_proven.add(key)
+                    self._places[key] = len(self._waiting_proven) - 1
+                else:
+                    self._places[key] = len(self._waiting) - 1 + max(0, self.active_proven - len(self._waiting_proven))
             else:
                 self._waiting[key] = now  # stays at its place: order is by when it started waiting
             place = self._places.get(key, len(self._waiting) - 1)
@@ -183,6 +201,7 @@ class FairShare:
             del self._waiting[key]
         proven = {k for k in self._active if self.proven(k)}
         self.active_proven, self.active_new = len(proven), len(self._active) - len(proven)
+        self._waiting_proven = {k for k in self._waiting if k in proven}
         line = [k for k in self._waiting if k in proven] + [k for k in self._waiting if k not in proven]
         self._places = {k: i for i, k in enumerate(line)}
 
@@ -204,6 +223,8 @@ class LeaseDesk:
         self.fair = FairShare(policy, proven=self._proven, clock=clock)
         self.versions = VersionClock(clock)  # the hub calls versions.published() after each publish
         self.gate = gate  # coordinator.handshake.GatePolicy: the version gate, also for clients that skipped it
+        self.replay = envelope.ReplayGuard(window_s=policy.window_s, max_entries=REPLAY_ENTRIES)
+        self._replay_lock = threading.Lock()
 
     def _proven(self, key: bytes) -> bool:
         return self.access.valid_streak(key) > 0
@@ -227,6 +248,9 @@ class LeaseDesk:
         opened = envelope.open_envelope(request, max_bytes=MAX_LEASE_REQUEST_BYTES, expected_kind="lease_request",
                                         expected_audience=self.audience, window_s=p.window_s)
         self.access.admit_identity(opened.signer, peer)  # per-key rate (a copy from another peer: that peer's), quota
+        with self._replay_lock:  # each request acts once, also across a restart (state_bytes: lease_replay.bin)
+            self.replay.check_and_remember(opened.signer, opened.nonce, opened.timestamp)
+        holder = lease_holder(opened.signer, peer)  # a copy sent by another peer leases for that peer only
         try:
             req = messages.decode(opened.payload, messages.LeaseRequest, max_bytes=MAX_LEASE_REQUEST_BYTES)
         except ProtocolError as exc:
@@ -243,11 +267,11 @@ class LeaseDesk:
             raise ProtocolError(RejectCode.WRONG_RUN, f"this coordinator runs {p.run_id!r}")
         version = self.current_version()
         if req.release:  # a pausing volunteer's unfinished leases (client/polite.py): someone else gets them now
-            self.board.release(req.release, opened.signer)
+            self.board.release(req.release, holder)
         if req.unscorable:  # groups it could not score: ended now, counted against the prompt (poison)
-            self.board.report_unscorable(req.unscorable, opened.signer)
+            self.board.report_unscorable(req.unscorable, holder)
         renewed = tuple(messages.LeaseRenewal(lid, left)
-                        for lid, left in self.board.renew(req.renew, opened.signer).items()) if req.renew else ()
+                        for lid, left in self.board.renew(req.renew, holder).items()) if req.renew else ()
         interval = self.versions.interval_s()
         budget = messages.lease_budget_s(p.lease_life_s, p.max_staleness, interval)
         sizing = dict(lease_life_s=p.lease_life_s, version_interval_s=interval,
@@ -270,11 +294,11 @@ class LeaseDesk:
         if renewal_only:
             grants = []
         elif self.sync_round is not None:  # one grant per live volunteer per version, no back-pressure needed
-            grants = self.sync_round.lease(opened.signer, req.adapter_version, version, want)
+            grants = self.sync_round.lease(holder, req.adapter_version, version, want)
         elif waiting:
             grants = []  # no place in the fair-share line yet: nobody is leased anything before the quorum
         else:
-            key = opened.signer
+            key = holder
             self.fair.seen(key)
             proven = self._proven(key)
             allowed = self.fair.allowance(key, proven=proven, held=self.board.held_by_client(), room=self.room())
@@ -296,6 +320,19 @@ class LeaseDesk:
         return messages.encode(messages.LeaseGrant(run_id=p.run_id, leases=leases, current_version=version,
                                                    retry_after_s=retry_after, renewed=renewed,
                                                    max_batch_bytes=p.max_batch_bytes, **sizing))
+
+
+    def state_bytes(self) -> bytes:
+        """The lease-request replay guard (msgpack, no pickle; coordinator/trust_state.py writes it)."""
+        with self._replay_lock:
+            snapshot = self.replay.snapshot()
+        return envelope.ReplayGuard.encode_snapshot(snapshot)
+
+    def load_state(self, data: bytes) -> None:
+        """Merge a `state_bytes()` snapshot (ProtocolError MALFORMED when it is not one)."""
+        guard = envelope.ReplayGuard.from_bytes(data)
+        with self._replay_lock:
+            self.replay.merge(guard)
 
 
 def int32_bytes(ids) -> bytes:

@@ -11,30 +11,15 @@ thread-safe, hence one module-level lock around every figure.
 from __future__ import annotations
 
 import io
-import json
 import threading
 from pathlib import Path
 
 from asyncrl.protocol.atomic import write_atomic
+from asyncrl.runlog import read_events
 
 PLOT_NAME = "reward.png"
 SMOOTH_WINDOW = 10
 _figure_lock = threading.Lock()
-
-
-def read_step_events(metrics: Path) -> list[dict]:
-    """The `step` events of a metrics.jsonl; a torn last line (still being written) is skipped."""
-    if not metrics.exists():
-        return []
-    steps = []
-    for line in metrics.read_text().splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if event.get("event") == "step":
-            steps.append(event)
-    return steps
 
 
 def moving_average(values: list[float], window: int = SMOOTH_WINDOW) -> list[float]:
@@ -50,7 +35,7 @@ def moving_average(values: list[float], window: int = SMOOTH_WINDOW) -> list[flo
 def plot_run(run: Path) -> Path | None:
     """reward and mean staleness per optimizer step -> run/reward.png (None when no step was logged)."""
     run = Path(run)
-    steps = read_step_events(run / "metrics.jsonl")
+    steps = read_events(run, "step")
     if not steps:
         return None
     import matplotlib

@@ -9,6 +9,9 @@ key, and appends every receipt to `<run_dir>/receipts.bin` (`u32 length | sealed
 offset they cover go to `receipts.totals.json` (atomic), so a restart reads the snapshot and replays
 only the log after it — not days of receipts. Memory: the totals (one small record per key) and the
 last LOOKUP_KEEP receipts.
+A receipt is its volunteer's data (key, sequence number, running totals): `lookup` hands it only to the key it
+was issued to, so a stranger who re-seals her payload under another key (same batch id: DUPLICATE_BATCH) gets
+the "accepted" answer but not her receipt; ingest also withholds it from a copy delivered by another peer.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ class ReceiptDesk:
         self._clock = clock
         self._lock = threading.Lock()
         self.totals: dict[bytes, KeyTotals] = {}
-        self._recent: OrderedDict[bytes, bytes] = OrderedDict()
+        self._recent: OrderedDict[bytes, tuple[bytes, bytes]] = OrderedDict()  # batch id -> (volunteer, sealed)
         self._good_length = 0
         self._since_snapshot = 0
         if path is not None:
@@ -69,10 +72,10 @@ class ReceiptDesk:
                 continue
             t = self.totals.setdefault(r.volunteer, KeyTotals())
             t.batches, t.groups, t.tokens = t.batches + 1, t.groups + r.groups, t.tokens + r.tokens
-            self._remember(r.batch_id, raw)
+            self._remember(r.batch_id, r.volunteer, raw)
 
-    def _remember(self, batch_id: bytes, sealed: bytes) -> None:
-        self._recent[batch_id] = sealed
+    def _remember(self, batch_id: bytes, volunteer: bytes, sealed: bytes) -> None:
+        self._recent[batch_id] = (volunteer, sealed)
         self._recent.move_to_end(batch_id)
         while len(self._recent) > LOOKUP_KEEP:
             self._recent.popitem(last=False)
@@ -91,7 +94,7 @@ class ReceiptDesk:
             if self.path is not None:
                 self._good_length = append_record(self.path, sealed, good_length=self._good_length)
             self.totals[volunteer] = new
-            self._remember(batch_id, sealed)
+            self._remember(batch_id, volunteer, sealed)
             self._since_snapshot += 1
             if self.path is not None and self._since_snapshot >= SNAPSHOT_EVERY:
                 self._snapshot_locked()
@@ -102,10 +105,12 @@ class ReceiptDesk:
             k.hex(): [t.batches, t.groups, t.tokens] for k, t in self.totals.items()}})
         self._since_snapshot = 0
 
-    def lookup(self, batch_id: bytes) -> bytes:
-        """The receipt already issued for `batch_id` (b"" when unknown or long ago)."""
+    def lookup(self, batch_id: bytes, volunteer: bytes) -> bytes:
+        """The receipt already issued to `volunteer` for `batch_id` (b"" when unknown, long ago, or issued to
+        another key)."""
         with self._lock:
-            return self._recent.get(batch_id, b"")
+            owner, sealed = self._recent.get(batch_id, (b"", b""))
+            return sealed if owner == volunteer else b""
 
     def summary(self) -> dict[str, dict]:
         """Per volunteer fingerprint: batches, groups and tokens receipted in this run."""

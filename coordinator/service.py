@@ -8,7 +8,7 @@ Components (each has one job; none references this hub):
   LeaseDesk   (coordinator/leasing.py) who gets which prompts, with back-pressure on in-flight work
   Ingest      verify + decode + re-score signed rollout batches; bounded queue to the learner
   Learner     GRPO steps on the LoRA adapter; owns the version counter
-  RunLog      metrics.jsonl + summary.json in the run directory
+  RunLog      (asyncrl/runlog.py) metrics.jsonl in the run directory; summary.json at the end
   Journal     (coordinator/journal.py) accepted batches on disk before their ack
   ReceiptDesk (coordinator/receipts.py) a signed contribution receipt in every ack; receipts.bin
   RunEnd      (coordinator/run_end.py) max_steps or `finish`: RUN_FINISHED, the final pointer, a short linger
@@ -32,7 +32,6 @@ the network (coordinator/publisher.py PublishWorker holds the back-pressure inva
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
 import time
 from pathlib import Path
@@ -41,6 +40,7 @@ from asyncrl.protocol import messages
 from asyncrl.protocol.atomic import read_json, write_json_atomic
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import Identity
+from asyncrl.runlog import METRICS_FILE, RunLog
 from asyncrl.swarm import streams
 from asyncrl.swarm.streams import stream_name
 
@@ -48,8 +48,7 @@ from .config import CoordinatorConfig
 from .leasing import MAX_LEASE_REQUEST_BYTES
 
 FINAL_POINTER_WAIT_S = 90.0  # at the run's end the publisher thread may still be storing the last version
-CALIBRATION_PROMPTS = 32  # x min(group_size, 8) honest completions sampled at start-up (coordinator/audit_policy.py)
-CALIBRATION_TOKENS = 64  # longest calibration completion (the statistic is a per-token trimmed mean)
+AUDIT_ENGINES_FILE = "audit_engines.json"  # each engine class's learned audit tolerance (coordinator/audit_policy.py)
 
 
 def resolve_model(cfg: CoordinatorConfig, *, out=print):
@@ -68,26 +67,6 @@ def resolve_model(cfg: CoordinatorConfig, *, out=print):
     return pinning.resolve(cfg.model, revision, out=out)
 
 
-class RunLog:
-    """Append-only JSONL metrics (one event per line, flushed) in the run directory."""
-
-    def __init__(self, path: Path, listeners=()):
-        self.path = path
-        self._f = open(path, "a", buffering=1)
-        self._lock = threading.Lock()
-        self.listeners = list(listeners)  # fn(event, record) after each line, e.g. Telemetry.observe
-
-    def write(self, event: str, **fields) -> None:
-        with self._lock:
-            record = {"event": event, "t": time.time(), **fields}
-            self._f.write(json.dumps(record) + "\n")
-            for listener in self.listeners:
-                listener(event, record)
-
-    def close(self) -> None:
-        self._f.close()
-
-
 class Coordinator:
     def __init__(self, cfg: CoordinatorConfig, *, out=print):
         self.cfg = cfg.validate()
@@ -101,7 +80,7 @@ class Coordinator:
         from .telemetry import Telemetry
 
         self.telemetry = Telemetry(cfg, self.run_dir, out=out)
-        self.log = RunLog(self.run_dir / "metrics.jsonl", listeners=[self.telemetry.observe])
+        self.log = RunLog(self.run_dir / METRICS_FILE, listeners=[self.telemetry.observe])
         self.t0 = time.time()
         self.trained_by: dict[str, int] = {}  # volunteer key fingerprint -> groups trained on (this process)
         from .run_end import RunEnd
@@ -147,6 +126,8 @@ class Coordinator:
         threading.Thread(target=call_back_then_push, args=(self.presence_tracker, self.pointer), name="call-back",
                          daemon=True).start()
 
+        from asyncrl.models import pinning
+
         from . import checkpoint
         from .ingest import Ingest
         from .journal import IngestJournal
@@ -156,7 +137,7 @@ class Coordinator:
         self.base = resolve_model(cfg, out=self.out)  # PinError (one line, exit 2) when it cannot be pinned
         path, pin = self.base.path, self.base.pin
         self.base_model, self.base_revision = pin.name, pin.revision
-        hub = not pin.revision.startswith("sha256:")  # pinned to a hub commit (else a local directory)
+        hub = pinning.is_commit_sha(pin.revision)  # a hub commit (else a local directory or a converted GGUF)
         self.out(f"base model {pin.name} pinned at {pin.revision} (tokenizer {pin.tokenizer_sha256[:19]}, "
                  f"stop tokens {list(pin.stop_token_ids)})")
         self.lora = messages.LoraSpec(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
@@ -179,14 +160,17 @@ class Coordinator:
         self.board = TaskBoard(source, lease_timeout_s=cfg.lease_timeout_s,
                                max_leases_per_client=cfg.max_leases_per_client,
                                lease_max_s=cfg.lease_max_s or cfg.lease_timeout_s,
-                               prompt_max_failures=cfg.prompt_max_failures)
+                               prompt_max_failures=cfg.prompt_max_failures,
+                               records=source.report.records if source.report is not None else 0)
         self.journal = IngestJournal(self.run_dir / "journal")
         from .access import AccessControl, AccessPolicy
         from .audit import Auditor
 
         self.access = AccessControl(AccessPolicy.from_config(cfg))  # who may talk, how often; strikes, bans
+        self.board.standing = self.access.has_accepted  # reports of proven keys weigh more (poison retirement)
         self.node.inbound.trusted = self.access.peer_has_accepted  # their requests may use the whole byte budget
         self.auditor = Auditor.from_config(cfg, self.learner)  # logprob audit; shares the learner's base weights
+        self.auditor.policy.on_event = self._audit_event  # an engine class starts / ends learning its tolerance
         from .receipts import ReceiptDesk
 
         self.receipts = ReceiptDesk(self.identity, cfg.run_id, self.run_dir / "receipts.bin")  # signed proof per ack
@@ -236,13 +220,20 @@ class Coordinator:
             self.log.write("resume", **info)
             self.out(f"resumed from {info['checkpoint']} (step {info['from_step']}); publishing v{info['version']}, "
                      f"{info['replayed_batches']} journalled batches re-queued")
-        if cfg.audit and cfg.audit_calibrate:
-            self._calibrate_audit()
+        if cfg.resume:  # engine classes learned before the restart keep their tolerance
+            learned = self.auditor.policy.load_state(read_json(self.run_dir / AUDIT_ENGINES_FILE, {}))
+            if learned:
+                self.out("audit tolerance per engine class (resumed): " + _engines_line(self.auditor.engines_status()))
         from .trust_state import TrustState
 
         self.trust = TrustState(self.run_dir, ingest=self.ingest, access=self.access, auditor=self.auditor,
+                                lease_desk=self.lease_desk, engines_file=AUDIT_ENGINES_FILE,
                                 every_s=cfg.trust_state_every_s, out=self.out)
-        self.trust.load()  # replay.bin / access.bin: nonces, batch ids and bans outlive a restart
+        self.trust.load()  # replay.bin / access.bin: nonces, batch ids, bans and track records outlive a restart
+        if cfg.resume:
+            back = self.board.recheck_retired()  # retirements whose reporters lost their standing come back
+            if back:
+                self.out(f"{back} retired records back in the task (their reports no longer weigh enough)")
         self.trust.start()
         # Everything up to learner.version - 1 may be held by volunteers (a resumed run's lineage).
         self.publish_worker = PublishWorker(self.publisher, self.pointer, before_visible=self._before_visible,
@@ -278,28 +269,29 @@ class Coordinator:
         elif event == "volunteers_ready":
             self.out(f"all {fields['needed']} volunteers in; training starts")
 
+    async def _announced_ports(self, peer: str) -> set[int]:
+        """The TCP ports `peer`'s libp2p node announces (its identify addresses in our daemon's peer store): the
+        only ports a NAT dial-back may try besides the one it is seen connecting from (coordinator/handshake.py)."""
+        import re
+
+        for info in await self.node.p2p.list_peers():
+            if info.peer_id.to_base58() == peer:
+                return {int(p) for a in info.addrs for p in re.findall(r"/tcp/(\d+)", str(a))}
+        return set()
+
     def _proven_peer(self, peer: str) -> bool:
         access = getattr(self, "access", None)  # built after the swarm side starts
         return access is not None and access.peer_has_accepted(peer)
 
-    def _calibrate_audit(self) -> None:
-        """Honest-noise calibration of the audit per engine dtype, on the policy the swarm starts with
-        (coordinator/audit_policy.py); prompts from the task itself (a second source, so no prompt is used up)."""
-        from asyncrl.models.lora import export_lora, tensors_from_bytes
-        from asyncrl.tasks.sources import encode_prompt, open_source
-
-        cfg = self.cfg
-        source = open_source(cfg.task, seed=cfg.seed + 1, tokenizer=self.learner.tokenizer,
-                             chat_template=cfg.chat_template, prompt_field=cfg.task_prompt_field,
-                             answer_field=cfg.task_answer_field, default_reward=cfg.reward_spec(),
-                             system_prompt=cfg.task_system_prompt, oversized="skip")  # as the task itself (preflight)
-        prompts = [list(encode_prompt(self.learner.tokenizer, next(source).text)) for _ in range(CALIBRATION_PROMPTS)]
-        specs, blobs = export_lora(self.learner.model, cfg.publish_dtype)
-        status = self.auditor.calibrate(tensors_from_bytes(specs, blobs), prompts, temperature=cfg.temperature,
-                                        max_new_tokens=min(cfg.max_new_tokens, CALIBRATION_TOKENS),
-                                        group_size=min(cfg.group_size, 8), seed=cfg.seed)
-        self.log.write("audit_calibration", tolerances=status["tolerances"], calibration=status["calibration"])
-        self.out("audit tolerance per engine dtype: " + ", ".join(f"{d} {t:.2e}" for d, t in status["tolerances"].items()))
+    def _audit_event(self, event: str, **fields) -> None:
+        """An engine class joined (its tolerance is being learned) or finished learning (audit_policy.py)."""
+        self.log.write(event, **fields)
+        if event == "audit_engine_learning":
+            self.out(f"audit: engine {fields['engine']} joined; learning its tolerance from its first "
+                     f"{fields['needed']} audited batches (meanwhile {fields['ceiling']:.2g} nats/token, no strikes)")
+        elif event == "audit_engine_learned":
+            self.out(f"audit: engine {fields['engine']} learned tolerance {fields['tolerance']:.2e} from "
+                     f"{fields['samples']} batches (0.95 quantile {fields['quantile']:.2e}, worst {fields['worst']:.2e})")
 
     def _serve_handlers(self) -> None:
         cfg, node = self.cfg, self.node
@@ -328,13 +320,21 @@ class Coordinator:
 
         from asyncrl.protocol.handshake import MAX_INFO_REQUEST_BYTES
 
+        from .episodes import environment_pin
         from .handshake import GatePolicy, HandshakeDesk
 
         self.handshake = HandshakeDesk(run_id=cfg.run_id, gate=GatePolicy.from_config(cfg),
                                        window_s=cfg.timestamp_window_s, max_staleness=cfg.max_staleness,
                                        lease_timeout_s=cfg.lease_timeout_s, pointer=lambda: self.pointer.last,
-                                       finished=lambda: self.run_end.finished)
-        node.serve(streams.INFO, self.handshake.handle, max_request_bytes=MAX_INFO_REQUEST_BYTES, with_addr=True)
+                                       finished=lambda: self.run_end.finished, announced_ports=self._announced_ports,
+                                       environment=environment_pin(cfg.task))
+
+        def admit_info(peer: str) -> None:  # banned peers, then the peer's own handshake bucket
+            self.access.check_peer(peer)
+            self.handshake.admit(peer)
+
+        node.serve(streams.INFO, self.handshake.handle, max_request_bytes=MAX_INFO_REQUEST_BYTES, with_addr=True,
+                   admit=admit_info)
         from asyncrl.swarm.serving import AdapterServer, ServeBudget
 
         # manifest + chunk handlers: banned peers refused; keys with accepted batches served first (docs/transport.md)
@@ -522,7 +522,14 @@ class Coordinator:
                                             leases=self.board.counts(), queued_groups=queued, identity=identity,
                                             presence=self.presence(), contributors=self.contributors(),
                                             publisher=worker.stats() if worker is not None else None,
-                                            waiting=self.quorum.status())
+                                            waiting=self.quorum.status(), audit=self._audit_snapshot())
+
+    def _audit_snapshot(self) -> dict | None:
+        auditor = getattr(self, "auditor", None)
+        if auditor is None or not auditor.enabled:
+            return None
+        return {"engines": auditor.engines_status(), "base_tolerance": auditor.tolerance,
+                **{k: auditor.stats[k] for k in ("audited", "passed", "failed", "skipped")}}
 
     def shutdown(self) -> None:
         self.stop.set()
@@ -551,6 +558,11 @@ def inbound_limits(cfg: CoordinatorConfig):
                          max_inflight_bytes_per_peer=max(2 * cfg.max_batch_bytes, cfg.inbound_bytes // 8),
                          max_streams_per_peer=cfg.max_streams_per_peer, min_read_bps=cfg.min_upload_bps,
                          workers=cfg.handler_threads, queue=cfg.handler_queue)
+
+
+def _engines_line(engines: dict[str, dict]) -> str:
+    return ", ".join(f"{cls} {e['tolerance']:.2e} ({e['state']}, {e['samples']}/{e['needed']})"
+                     for cls, e in engines.items()) or "none yet"
 
 
 def _saved_peers(path: Path) -> dict[str, list[str]]:

@@ -13,8 +13,17 @@ it could not score itself; once `prompt_max_failures` *distinct* keys reported o
 text, answer, reward, columns — a dataset's later epochs give it new prompt ids) with no group of it
 scored since, it is **retired**: not requeued, never leased again in any epoch, counted, its id kept
 among the last `RETIRED_KEPT`. Only explicit reports count, never a silent expiry (a volunteer that
-crashed), and distinct keys, so one key cannot retire a prompt alone; and at most RETIRE_FRACTION of the
-grants are ever retired, so keys that call everything unscorable cannot empty the dataset.
+crashed), and distinct keys, so one key cannot retire a prompt alone.
+Reports are a volunteer's word and keys are free to mint, so the evidence is weighed by the reporters'
+standing (`standing(key)`: a key with accepted batches and no ban, asked when the weight is taken): each
+proven key weighs 1, all keys without a record together at most 1 (`FRESH_REPORTS_WEIGHT`), and a record
+is retired only when the weight reaches `prompt_max_failures` with at least one proven reporter — a crowd
+of Sybil keys alone retires nothing. Whatever the reports, at most RETIRE_SHARE of the distinct records the
+task has (and at most max(RETIRE_FLOOR, RETIRE_FRACTION x grants)) are retired, so a small
+dataset is never emptied; a retirement is kept with its evidence, and `restore` keeps only those whose
+evidence still stands within the cap (a checkpoint's retirement without evidence, or from keys banned
+since, comes back into the dataset on --resume). A lease call skips at most SOURCE_SKIP_BOUND retired
+records in all, however many prompts it asks for.
 Invariant, checked by `balanced()` (and written into summary.json): every lease grant is outstanding,
 completed (its group was accepted), expired or returned; every expired or returned lease's prompt was
 re-leased, still waits in the requeue, or was retired; every completed group was trained, explicitly
@@ -36,6 +45,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Iterator
 
+from asyncrl.protocol.identity import peer_id_from_public_key
 from asyncrl.tasks import Prompt
 
 
@@ -54,8 +64,18 @@ RETIRE_FLOOR, RETIRE_FRACTION = 8, 0.01
 """At most max(RETIRE_FLOOR, RETIRE_FRACTION x lease grants) records are retired: reports come from volunteers,
 so keys that call everything unscorable (a broken verifier install, or Sybil keys) can cost at most that
 much of the dataset; past it, reports are only counted (`retire_capped`), for the operator to look at."""
-SOURCE_SKIP_BOUND = 10_000
-"""Retired records skipped in a row before a lease call gives up (granting fewer prompts)."""
+RETIRE_SHARE = 0.25
+"""...and never more than this share (at least 1) of the task's distinct records: its size when the source knows
+it (`records`), else the distinct records handed out so far (a task of 4 records loses at most 1)."""
+FRESH_REPORTS_WEIGHT = 1.0
+"""What all reports of keys without accepted batches weigh together (each proven key's report weighs 1)."""
+REPORTERS_KEPT = 64
+"""Reporting keys kept per record (beyond this only proven keys are added: their reports are the weight)."""
+DISTINCT_TRACKED = 1 << 20
+"""Distinct records counted (by content key) for RETIRE_SHARE; a larger dataset's share is past any cap anyway."""
+SOURCE_SKIP_BOUND = 256
+"""Retired records one lease call may skip in all before it gives up (granting fewer prompts): a call costs
+O(prompts asked + this), never a scan of the dataset."""
 RETIRED_KEPT = 64
 """Retired prompt ids kept (the newest) for summary.json; the count has them all."""
 
@@ -66,8 +86,9 @@ class LeaseRejected(Exception):
 
 class TaskBoard:
     def __init__(self, prompts: Iterator[Prompt], *, lease_timeout_s: float, max_leases_per_client: int,
-                 lease_max_s: float | None = None, prompt_max_failures: int = 3, clock=time.time):
+                 lease_max_s: float | None = None, prompt_max_failures: int = 3, clock=time.time, standing=None, records: int = 0):
         self._source = prompts
+        self.standing = standing or (lambda key: True)  # key -> proven (accepted batches, no ban); the hub sets it
         self._requeued: deque[Prompt] = deque()
         self._outstanding: dict[str, Lease] = {}
         self._held: Counter[bytes] = Counter()  # client -> outstanding leases (kept in step with _outstanding)
@@ -90,7 +111,10 @@ class TaskBoard:
         self.prompt_max_failures = prompt_max_failures  # 0: never retire
         self._failures: dict[str, set[str]] = {}  # content_key -> keys (hex) that could not score it
         self.retired_ids: deque[str] = deque(maxlen=RETIRED_KEPT)
-        self._retired_content: set[str] = set()  # content_key of every retired prompt (one per bad record)
+        self._retired_content: dict[str, list[str]] = {}  # content_key of every retired record -> its proven reporters
+        self._distinct: set[str] = set()  # content keys the source handed out (<= DISTINCT_TRACKED)
+        self._distinct_floor = records  # the task's size when the source knows it, or the count a checkpoint had
+        self.unretired = 0  # retirements undone by `restore` (their evidence no longer stood)
         self.skipped_retired = 0  # source prompts skipped because their content was retired (not leased)
         self.retire_capped = 0  # retirements refused by the cap (RETIRE_FRACTION): see summary.json
         self._skip: set[str] = set()  # prompt ids settled by a journal replay before the source reached them
@@ -101,12 +125,13 @@ class TaskBoard:
             self._expire_locked()
             n = max(0, min(max_prompts, self.max_leases_per_client - self._held[client]))
             out = []
+            skips = [SOURCE_SKIP_BOUND]  # for the whole call
             for _ in range(n):
                 if self._requeued:
                     prompt = self._requeued.popleft()
                     self.released += 1
                 else:
-                    prompt = self._next_from_source_locked()
+                    prompt = self._next_from_source_locked(skips)
                     if prompt is None:
                         break
                 now = self._clock()
@@ -119,18 +144,34 @@ class TaskBoard:
             self.leased += len(out)
             return out
 
-    def _next_from_source_locked(self) -> Prompt | None:
-        """The source's next prompt that is neither settled by a journal replay nor retired; None when
-        SOURCE_SKIP_BOUND in a row were retired (a dataset of nothing but poison must not spin here)."""
-        for _ in range(SOURCE_SKIP_BOUND):
+    def _next_from_source_locked(self, skips: list[int]) -> Prompt | None:
+        """The source's next prompt that is neither settled by a journal replay nor retired; None once the
+        call's skip budget `skips[0]` is spent (a dataset of nothing but poison must not spin here)."""
+        while skips[0] > 0:
             prompt = next(self._source)
+            key = content_key(prompt)
+            if len(self._distinct) < DISTINCT_TRACKED:
+                self._distinct.add(key)
             if prompt.prompt_id in self._skip:
                 self._skip.discard(prompt.prompt_id)
-            elif self._retired_content and content_key(prompt) in self._retired_content:
+            elif key in self._retired_content:
                 self.skipped_retired += 1
+                skips[0] -= 1
             else:
                 return prompt
         return None
+
+    def _retire_cap_locked(self) -> int:
+        """Records that may be retired at most (module docstring)."""
+        distinct = max(len(self._distinct), self._distinct_floor)
+        share = max(1, int(RETIRE_SHARE * distinct)) if distinct else 0
+        return min(max(RETIRE_FLOOR, int(RETIRE_FRACTION * self.leased)), share)
+
+    def _evidence_locked(self, keys) -> tuple[float, list[str]]:
+        """The weight of `keys`' reports (module docstring) and the proven ones among them, standing as of now."""
+        proven = sorted(k for k in keys if self.standing(bytes.fromhex(k)))
+        fresh = len(keys) - len(proven)
+        return len(proven) + min(FRESH_REPORTS_WEIGHT, float(fresh)), proven
 
     def complete(self, lease_id: str, client: bytes) -> Lease:
         """Mark a lease fulfilled; raises LeaseRejected for unknown, expired or someone else's lease."""
@@ -264,14 +305,18 @@ class TaskBoard:
                 self.retired += 1
             return True
         keys = self._failures.setdefault(key, set())
-        keys.add(client.hex())
+        if len(keys) < REPORTERS_KEPT or self.standing(client):
+            keys.add(client.hex())
         if not self.prompt_max_failures or len(keys) < self.prompt_max_failures:
             return False
-        if len(self._retired_content) >= max(RETIRE_FLOOR, RETIRE_FRACTION * self.leased):
+        weight, proven = self._evidence_locked(keys)
+        if not proven or weight < self.prompt_max_failures:
+            return False  # not enough evidence yet: fresh keys alone never retire a record
+        if len(self._retired_content) >= self._retire_cap_locked():
             self.retire_capped += 1  # reports beyond the cap: a broken verifier install or Sybil keys, not data
             return False
         del self._failures[key]
-        self._retired_content.add(key)
+        self._retired_content[key] = proven
         self.retired_ids.append(prompt.prompt_id)
         if not settled:
             self.retired += 1
@@ -343,6 +388,8 @@ class TaskBoard:
                 "failures": {pid: sorted(keys) for pid, keys in self._failures.items()},
                 "retired_ids": list(self.retired_ids),
                 "retired_content": sorted(self._retired_content),
+                "retired_evidence": {k: v for k, v in sorted(self._retired_content.items())},
+                "distinct_records": max(len(self._distinct), self._distinct_floor),
                 "seq": next(self._seq),
                 "source": source_state,
             }
@@ -369,9 +416,33 @@ class TaskBoard:
                 setattr(self, k, int(state["counters"].get(k, 0)))
             self._failures = {pid: set(keys) for pid, keys in state.get("failures", {}).items()}
             self.retired_ids = deque(state.get("retired_ids", ()), maxlen=RETIRED_KEPT)
-            self._retired_content = set(state.get("retired_content", ()))
+            self._distinct_floor = max(self._distinct_floor, int(state.get("distinct_records", 0)))
+            evidence = state.get("retired_evidence", {})  # none in a checkpoint written before evidence was kept
+            self._retired_content = {key: list(evidence.get(key, ())) for key in state.get("retired_content", ())}
+            self._recheck_retired_locked(weigh=False)  # standing is weighed once the access books are back
             self._skip = set(state.get("skip", ()))
             self._seq = itertools.count(int(state["seq"]))
+
+    def recheck_retired(self) -> int:
+        """Weigh every retirement's evidence again with `standing` as it is now (the hub calls it once the access
+        books are loaded after --resume); how many records came back into the dataset."""
+        with self._lock:
+            return self._recheck_retired_locked()
+
+    def _recheck_retired_locked(self, weigh: bool = True) -> int:
+        """Keep the retirements whose evidence still stands, within the cap; the rest are leased again (a poison
+        record among them is reported again by proven keys). A checkpoint without evidence keeps none.
+        `weigh=False`: only the evidence's size counts (`standing` is not known yet)."""
+        kept: dict[str, list[str]] = {}
+        cap = self._retire_cap_locked()
+        for key, reporters in self._retired_content.items():
+            weight, proven = self._evidence_locked(reporters) if weigh else (len(reporters), list(reporters))
+            if proven and weight >= max(1, self.prompt_max_failures) and len(kept) < cap:
+                kept[key] = proven
+        back = len(self._retired_content) - len(kept)
+        self._retired_content = kept
+        self.unretired += back
+        return back
 
     def expire(self) -> int:
         with self._lock:
@@ -425,11 +496,22 @@ class TaskBoard:
                     "requeued_waiting": len(self._requeued), "released": self.released, "trained": self.trained,
                     "renewals": self.renewals, "returned": self.returned, "retired": self.retired,
                     "skipped_retired": self.skipped_retired, "retire_capped": self.retire_capped,
-                    "retired_records": len(self._retired_content)}
+                    "retired_records": len(self._retired_content), "unretired": self.unretired}
 
 
 _COUNTERS = ("leased", "completed", "expired", "dropped", "released", "trained", "renewals", "returned", "retired",
-             "skipped_retired", "retire_capped")
+             "skipped_retired", "retire_capped", "unretired")
+
+
+def lease_holder(signer: bytes, peer: str) -> bytes:
+    """Who holds the leases of a request signed by `signer` and sent by transport peer `peer`: the signer itself
+    when it came from the signer's own peer id (a volunteer's peer id is its key) or from no peer (in-process
+    callers); else the pair (signer, sender). A copy of a volunteer's lease request sent by someone else
+    therefore leases for that sender only — never on her slots, never answerable by her batches — and a batch
+    completes only leases granted to requests from the peer that delivers it."""
+    if not peer or peer == peer_id_from_public_key(signer):
+        return signer
+    return signer + hashlib.sha256(peer.encode()).digest()[:8]
 
 
 def content_key(p: Prompt) -> str:

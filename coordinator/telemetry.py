@@ -67,7 +67,7 @@ class Telemetry:
 
     def snapshot_part(self, *, version: int, steps: int, clients: list, leases: dict, queued_groups: int,
                       identity: dict, presence: list[dict] = (), publisher: dict | None = None,
-                      waiting: dict | None = None, contributors: list[dict] = ()) -> dict:
+                      waiting: dict | None = None, contributors: list[dict] = (), audit: dict | None = None) -> dict:
         """The read-only status dict (the schema of /api/status). No key material ever enters it."""
         now = time.time()
         stats = self.stats.snapshot()
@@ -92,6 +92,8 @@ class Telemetry:
             "volunteers": rows,
             # name, fingerprint, accepted batches/tokens (receipts), trained groups and share: publishable
             "contributors": list(contributors),
+            # generation audit: per engine class (kind/dtype) "learning" (samples/needed) or "learned", its tolerance
+            "audit": audit,
             "stats": stats,
         }
 

@@ -7,7 +7,11 @@ Every `every_s` seconds (and once more at shutdown) a daemon thread writes, each
   <run_dir>/seen_ids.log the accepted batch ids, *appended* (only the new ones, outside the ingest lock:
                          coordinator/ingest_books.py SeenIds), so a restarted coordinator refuses
                          duplicates and the cost of a write does not grow with the run;
-  <run_dir>/access.bin   AccessControl.state_bytes(): automatic bans and strikes;
+  <run_dir>/access.bin   AccessControl.state_bytes(): automatic bans, strikes and track records;
+  <run_dir>/lease_replay.bin  LeaseDesk.state_bytes(): the lease requests' nonces (a copy replayed after a
+                         restart is refused);
+  <run_dir>/audit_engines.json  each engine class's learned audit tolerance and samples
+                         (coordinator/audit_policy.py), read back by --resume;
   <run_dir>/trust.json   a read-only view for operators and tests: per-key accepted/rejected/strikes,
                          bans, access counters, audit statistics (incl. its cost as a fraction of
                          learner time) and the most recent verdicts (batch id -> code; a refused
@@ -30,9 +34,11 @@ MAX_LISTED = 1000  # keys listed in trust.json (the most recently seen)
 
 
 class TrustState:
-    def __init__(self, run_dir: Path, *, ingest, access=None, auditor=None, every_s: float = 2.0, out=print):
+    def __init__(self, run_dir: Path, *, ingest, access=None, auditor=None, lease_desk=None, every_s: float = 2.0,
+                 out=print, engines_file: str = "audit_engines.json"):
+        self.engines_file = engines_file
         self.run_dir = Path(run_dir)
-        self.ingest, self.access, self.auditor = ingest, access, auditor
+        self.ingest, self.access, self.auditor, self.lease_desk = ingest, access, auditor, lease_desk
         self.every_s = every_s
         self.out = out
         self._stop = threading.Event()
@@ -41,7 +47,8 @@ class TrustState:
 
     def load(self) -> dict:
         loaded = {}
-        for name, target in (("replay.bin", self.ingest), ("access.bin", self.access)):
+        for name, target in (("replay.bin", self.ingest), ("access.bin", self.access),
+                             ("lease_replay.bin", self.lease_desk)):
             path = self.run_dir / name
             if target is None or not path.exists():
                 continue
@@ -71,6 +78,10 @@ class TrustState:
             write_atomic(self.run_dir / "replay.bin", self.ingest.state_bytes())
             if self.access is not None:
                 write_atomic(self.run_dir / "access.bin", self.access.state_bytes())
+            if self.lease_desk is not None:
+                write_atomic(self.run_dir / "lease_replay.bin", self.lease_desk.state_bytes())
+            if self.auditor is not None and self.auditor.enabled:
+                write_atomic(self.run_dir / self.engines_file, json.dumps(self.auditor.policy.state()).encode())
             write_atomic(self.run_dir / "trust.json", json.dumps(self.status(), indent=1).encode())
 
     def status(self) -> dict:

@@ -43,6 +43,7 @@ class RejectCode(str, enum.Enum):
     INTERNAL = "INTERNAL"  # our fault, not the sender's
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"  # a request's bytes did not arrive in time (slow-drip stream cut)
     UNSCORABLE = "UNSCORABLE"  # our reward check could not finish (timeout/crash): not the sender's fault
+    ENV_MISMATCH = "ENV_MISMATCH"  # an episode's environment turns differ from the environment's replay (envs/)
     UNVOUCHED = "UNVOUCHED"  # a claimed fetch source the coordinator does not vouch for (its probe went unanswered)
 
     def __str__(self) -> str:

@@ -37,8 +37,9 @@ from .errors import ProtocolError, RejectCode
 SCHEMA_VERSION = 2
 """2 (one schema for every change of this release, across the branches that added them; new fields have
 defaults, at the end): LeaseGrant.retry_after_s, .max_batch_bytes and .renewed; LeaseRequest.renew and
-.client_version; TaskLease.columns; AdapterManifest base/tokenizer pins and stop_token_ids; RolloutBatch.engine_dtype;
-Ack.receipt; AdapterPointer.finished (run end); length caps on names and ids; swarm.ProvidersRecord.shard and .shards."""
+.client_version; TaskLease.columns; AdapterManifest base/tokenizer pins and stop_token_ids; RolloutBatch.engine_dtype and .engine_kind;
+Ack.receipt; AdapterPointer.finished (run end); length caps on names and ids; swarm.ProvidersRecord.shard and .shards;
+Completion.env_mask (multi-turn episodes: b"" = every token is the model's, so batches without it stay valid)."""
 SHA256_BYTES = 32
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -49,6 +50,8 @@ LOGPROB_TOLERANCE = 1e-4
 Dtype = Literal["bf16", "fp16", "fp32"]
 FINISH_REASONS = ("stop", "length")  # Completion.finish_reason; ingest re-derives it (derive_finish_reason)
 EngineDtype = Literal["", "bf16", "fp16", "fp32"]  # "" = not said
+# the engine's name ("transformers", "vllm", ...; "" = not said): an open set, bounded in length and charset
+EngineKind = Annotated[str, msgspec.Meta(max_length=32, pattern=r"^[a-z0-9_.-]*\Z")]
 SeqBytes = Annotated[bytes, msgspec.Meta(max_length=_MAX_SEQ_BYTES)]
 Name = Annotated[str, msgspec.Meta(max_length=limits.MAX_NAME_CHARS)]
 Id = Annotated[str, msgspec.Meta(max_length=limits.MAX_ID_CHARS)]
@@ -116,11 +119,21 @@ class TaskLease(_Record):
     columns: Annotated[str, msgspec.Meta(max_length=limits.MAX_TASK_COLUMNS_CHARS)] = ""
 
 
-class Completion(_Record):
+class Completion(_Record, omit_defaults=True):
+    """omit_defaults: a completion without `env_mask` encodes exactly as before the field existed, so a
+    single-answer batch is the same bytes for peers on either side of the change."""
+
     token_ids: SeqBytes  # int32 little-endian
     logprobs: SeqBytes  # float32 little-endian, one per token, sampling-distribution logprobs
     reward: float
     finish_reason: Id
+    # schema 2, multi-turn episodes (envs/): one byte per token, 1 = an environment token (tool result, game
+    # feedback: no loss, no logprob audit, logprob 0.0), 0 = sampled by the model. b"" = all sampled.
+    env_mask: SeqBytes = b""
+
+    def env_mask_array(self) -> np.ndarray | None:
+        """uint8 per token (1 = environment), or None when every token is the model's."""
+        return np.frombuffer(self.env_mask, dtype=np.uint8) if self.env_mask else None
 
     def token_array(self) -> np.ndarray:
         return np.frombuffer(self.token_ids, dtype="<i4").astype(np.int32, copy=False)
@@ -236,6 +249,7 @@ class RolloutBatch(_Message):
     groups: Annotated[tuple[RolloutGroup, ...], msgspec.Meta(max_length=limits.MAX_GROUPS_PER_BATCH)]
     generated_at: float
     engine_dtype: EngineDtype = ""  # dtype the engine computed the logprobs in (audit tolerance); schema 2
+    engine_kind: EngineKind = ""  # which engine computed them (audit tolerance per kind x dtype); schema 2
 
 
 class Ack(_Message):
@@ -267,13 +281,15 @@ class Receipt(_Message):
     total_tokens: int
 
 
-def rollout_batch_bytes_bound(*, groups: int, group_size: int, max_new_tokens: int, prompt_tokens: int) -> int:
+def rollout_batch_bytes_bound(*, groups: int, group_size: int, max_new_tokens: int, prompt_tokens: int,
+                              episodes: bool = False) -> int:
     """The most bytes an encoded RolloutBatch of this shape takes: every completion at max_new_tokens,
     every prompt at `prompt_tokens`, ids and names at their longest. Exact per part (each part encoded as
-    it would be sent), plus 4 bytes per array/bin header for the growth of msgpack length headers."""
+    it would be sent), plus 4 bytes per array/bin header for the growth of msgpack length headers.
+    `episodes`: completions are multi-turn transcripts of max_new_tokens tokens carrying an env_mask."""
     name = "x" * 128
     comp = Completion(token_ids=bytes(4 * max_new_tokens), logprobs=bytes(4 * max_new_tokens), reward=-1e300,
-                      finish_reason="length")
+                      finish_reason="length", env_mask=bytes(max_new_tokens) if episodes else b"")
     group = RolloutGroup(lease_id=name, prompt_id=name * 2, prompt_token_ids=bytes(4 * prompt_tokens), completions=())
     batch = RolloutBatch(run_id=name, adapter_version=2**62, client_name=name, groups=(), generated_at=0.0,
                          sampling=SamplingParams(temperature=1e300, top_p=1e300, top_k=2**62, max_new_tokens=2**62))
@@ -375,6 +391,19 @@ def _logprobs(raw: bytes, field: str) -> None:
         raise _bad(f"{field} must be <= 0 (got max {float(lp.max())})")
 
 
+def _env_mask(c: Completion, field: str) -> None:
+    """An episode's mask: one 0/1 byte per token, starting with a model token, logprob exactly 0.0 on every
+    environment token (nothing was sampled there). Whether the marked tokens *are* the environment's is the
+    replay's question (coordinator ingest: ENV_MISMATCH)."""
+    if not isinstance(c.env_mask, bytes) or len(c.env_mask) * 4 != len(c.token_ids):
+        raise _bad(f"{field}.env_mask must hold one byte per token")
+    mask = np.frombuffer(c.env_mask, dtype=np.uint8)
+    if mask.max() > 1 or mask[0] != 0:
+        raise _bad(f"{field}.env_mask must be 0/1 and start with a model token")
+    if np.any(np.frombuffer(c.logprobs, dtype="<f4")[mask == 1] != 0.0):
+        raise _bad(f"{field}.logprobs must be 0.0 on environment tokens")
+
+
 def validate_sampling(s: SamplingParams, field: str = "sampling") -> None:
     _finite(s.temperature, f"{field}.temperature")
     _finite(s.top_p, f"{field}.top_p")
@@ -407,6 +436,8 @@ def validate_rollout_batch(batch: RolloutBatch, *, vocab_size: int | None = None
             if c.finish_reason not in FINISH_REASONS:
                 raise _bad(f"{cw}.finish_reason must be one of {FINISH_REASONS}, got {c.finish_reason[:20]!r}")
             _finite(c.reward, f"{cw}.reward")
+            if c.env_mask:
+                _env_mask(c, cw)
             if not abs(c.reward) <= limits.MAX_ABS_REWARD:  # TRL-style rewards are not clamped to [0, 1]
                 raise _bad(f"{cw}.reward must be within ±{limits.MAX_ABS_REWARD:g}, got {c.reward}")
         # Token ranges and logprobs: one numpy pass over the group's (already size-capped) bytes instead of

@@ -210,10 +210,6 @@ def pointer_is_newer(new: messages.AdapterPointer, held: messages.AdapterPointer
     return new.manifest_sha256 != held.manifest_sha256 or (new.finished and not held.finished)
 
 
-def manifest_matches(raw_manifest: bytes, pointer: messages.AdapterPointer) -> bool:
-    return hashlib.sha256(raw_manifest).digest() == pointer.manifest_sha256
-
-
 # ---- providers -----------------------------------------------------------------------------------
 
 

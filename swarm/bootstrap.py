@@ -31,6 +31,8 @@ from typing import Sequence
 from asyncrl.protocol.errors import ProtocolError
 from asyncrl.protocol.identity import public_key_from_peer_id
 
+from . import hivemind_private
+
 
 @dataclass(frozen=True)
 class JoinSpec:
@@ -74,7 +76,7 @@ async def _rejoin(dht, node, maddr: str) -> bool:
     ma = Multiaddr(maddr)
     peer = PeerID.from_base58(ma.value_for_protocol("p2p"))
     try:
-        await node.p2p._client.connect(peer, [ma.decapsulate(Multiaddr(f"/p2p/{peer.to_base58()}"))])
+        await hivemind_private.connect(node.p2p, peer, [ma.decapsulate(Multiaddr(f"/p2p/{peer.to_base58()}"))])
     except Exception:
         return False
     return await node.protocol.call_ping(peer) is not None

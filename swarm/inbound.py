@@ -155,7 +155,13 @@ class InboundGate:
 
     @contextlib.contextmanager
     def reserve(self, peer: str, nbytes: int):
-        """Hold `nbytes` of the in-flight budget (and of `peer`'s share), or refuse (RATE_LIMITED)."""
+        """Hold `nbytes` of the in-flight budget (and of `peer`'s share), or refuse (RATE_LIMITED).
+
+        `bytes_by_peer` holds only peers with a positive reservation: a zero-byte request reserves nothing and
+        records nothing, so it can end before or after a same-peer request that overlaps it in any order."""
+        if nbytes <= 0:
+            yield
+            return
         lim = self.limits
         mine = self.bytes_by_peer.get(peer, 0)
         stranger = not self.trusted(peer)

@@ -304,8 +304,8 @@ class ProvidersCache:
         record before the pointer, so one read normally suffices).
 
         At most `attempts` reads per version, however often it is asked: the follower asks again after every
-        failed fetch, and under load (bench/swarm_scale.py at N = 32, 2026-12-02) those retries made a
-        volunteer read the record ~50 times a minute instead of ~10. A record that is late beyond that is
+        failed fetch, and under load those retries would make a volunteer read the record ~5x as often as
+        the refresh interval asks (bench/swarm_scale.py measures reads/min). A record that is late beyond that is
         picked up by `maybe_refresh` (every `max_age_s`); until then the fetch plans with the one held."""
         if version != self._ensuring:
             self._ensuring, self._ensure_reads = version, 0

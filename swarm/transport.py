@@ -25,12 +25,12 @@ import socket
 import threading
 import time
 from concurrent.futures import Future
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Sequence
 
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 
+from . import hivemind_private
 from .inbound import BoundedExecutor, InboundGate, InboundLimits, monotonic_ms
 
 logger = logging.getLogger(__name__)
@@ -195,7 +195,7 @@ def stream_handler(gate: InboundGate, name: str, handler: Handler, *, max_reques
             await _linger(gate, reader)
         except ProtocolError as exc:  # no stream slot: answer without reading the request, then drain it
             # (bounded): closing on unread bytes can make p2pd reset the stream before the caller read the
-            # refusal (CI 2026-12-03: 1 of 119 unanswered)
+            # refusal
             try:
                 writer.write(_error_frame(exc))
                 await asyncio.wait_for(writer.drain(), 2.0)
@@ -219,64 +219,6 @@ async def _get_many(dht, node, keys: tuple[str, ...], latest: bool):
 RELAY_DIAL_TIMEOUT_S = 5.0
 CALL_PATHS_MAX_PEERS = 256  # SwarmNode.call_paths: peers remembered, addresses per peer
 CALL_PATHS_MAX_ADDRS = 8
-_PATCHED = False
-
-
-def _static_relays_patch() -> None:
-    """Make p2pd reserve at the named relays at once: hivemind 1.1.12 passes `-trustedRelays` but never
-    `-relayDiscovery=false`, and with discovery on, go-libp2p's autorelay waits for 4 relay candidates or a
-    3-minute boot delay before it reserves anything (measured: the first reservation came 3:00 after
-    start with one relay known; see docs/transport.md "Relays"). With static relays only it reserves at
-    start. Applied once, in this process, before any p2pd is launched (the DHT process forks from it)."""
-    global _PATCHED
-    if _PATCHED:
-        return
-    from hivemind.p2p import p2p_daemon
-
-    original = p2p_daemon.P2P._make_process_args
-
-    def make_process_args(*args, **kwargs):
-        if kwargs.get("autoRelay") and kwargs.get("trustedRelays"):
-            kwargs["relayDiscovery"] = False
-        return original(*args, **kwargs)
-
-    p2p_daemon.P2P._make_process_args = staticmethod(make_process_args)
-    _listen_backlog_patch()
-    _PATCHED = True
-
-
-LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn (4096 on Linux >= 5.4)
-
-
-def _listen_backlog_patch() -> None:
-    """Give hivemind's handler socket a deep accept queue. p2pd hands every inbound stream to this process
-    by dialing a unix socket that hivemind 1.1.12 opens with asyncio's default backlog of 100; when more
-    streams than that arrive while the event loop is busy (a burst of volunteers, a flood, a GIL-starved
-    loop), p2pd's dial fails with EAGAIN and it resets the stream: the caller reads 0 bytes, with no answer
-    and no code. Measured (2026-12-01): 150 concurrent calls during a 3 s stall of the server's loop, 49
-    closed unanswered (150 - 101); with this backlog, none (each got its answer or RATE_LIMITED from
-    swarm/inbound.py). Regression test: tests/integration/test_stream_burst.py."""
-    from hivemind.p2p.p2p_daemon_bindings import control
-    from hivemind.utils.multiaddr import protocols
-
-    @asynccontextmanager
-    async def listen(self):
-        proto_code = control.parse_conn_protocol(self.listen_maddr)
-        if proto_code == protocols.P_UNIX:
-            server = await asyncio.start_unix_server(
-                self._handler, path=self.listen_maddr.value_for_protocol(protocols.P_UNIX), backlog=LISTEN_BACKLOG)
-        elif proto_code == protocols.P_IP4:
-            server = await asyncio.start_server(
-                self._handler, host=self.listen_maddr.value_for_protocol(protocols.P_IP4),
-                port=int(self.listen_maddr.value_for_protocol(protocols.P_TCP)), backlog=LISTEN_BACKLOG)
-        else:
-            raise ValueError(f"Protocol not supported: {protocols.protocol_with_code(proto_code)}")
-        async with server:
-            yield self
-
-    control.ControlClient.listen = listen
-
-
 STREAM_LOST_AT = "stream lost while"
 """Prefix of the note `SwarmNode.acall` adds to a transport error: the phase it happened in (diagnosis of the
 streams p2pd closes with no answer; docs/testing.md)."""
@@ -294,7 +236,7 @@ class SwarmNode:
         `inbound`: what unasked-for requests may cost this node (swarm/inbound.py). See "Relays" above."""
         import hivemind
 
-        _static_relays_patch()
+        hivemind_private.apply_patches()
 
         self.inbound = InboundGate(inbound)
         self.executor = BoundedExecutor(self.inbound.limits.workers, self.inbound.limits.queue, self.inbound.stats)
@@ -414,7 +356,7 @@ class SwarmNode:
             if relay.rstrip("/").endswith(peer.to_base58()):
                 continue
             try:
-                await asyncio.wait_for(self.p2p._client.connect(peer, [Multiaddr(f"{relay}/p2p-circuit")]),
+                await asyncio.wait_for(hivemind_private.connect(self.p2p, peer, [Multiaddr(f"{relay}/p2p-circuit")]),
                                        RELAY_DIAL_TIMEOUT_S)
             except Exception:
                 continue

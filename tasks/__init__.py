@@ -7,7 +7,9 @@
                   `PrintableTable` / `impossible`: re-scoring `exact` without decoding a hopeless completion
   math_reward.py  the `math` reward: math-verify, each check in its own time-limited worker process;
                   `Unscorable` (a check that cannot finish is not a score)
-  sources.py      `--task` specs: toy, JSONL, Hugging Face datasets; chat templates; `encode_prompt`
+  sources.py      `--task` specs: toy, JSONL, Hugging Face datasets, reasoning-gym; chat templates; `encode_prompt`
+  rgym.py         reasoning-gym generators: disjoint train/eval splits, its system prompts, the `reasoning_gym`
+                  reward (the dataset's own score_answer on the <answer> tag text)
 
 Imports neither the coordinator nor the client (tests/test_layering.py): the coordinator re-scores
 with exactly the code the volunteer scored with.

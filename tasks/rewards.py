@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 from asyncrl.protocol import limits
 
+from . import rgym
 from .math_reward import Unscorable
 from .prompt import Prompt
 from .toy import repeat_reward
@@ -70,7 +71,8 @@ def math_reward(completion: str, answer: str) -> float:
     return verify(completion, gold_answer(answer))
 
 
-REWARDS: dict[str, RewardFn] = {"repeat": repeat_reward, "exact": exact_reward, "math": math_reward}
+REWARDS: dict[str, RewardFn] = {"repeat": repeat_reward, "exact": exact_reward, "math": math_reward,
+                                 rgym.REWARD: rgym.reasoning_gym_reward}
 
 
 # ---- scoring without decoding, where a reward allows it (the coordinator's re-scoring: coordinator/ingest.py) ----

@@ -9,6 +9,8 @@ coordinator's lease grant and ingest's re-check must produce the same ids, or ev
     --task jsonl:data/train.jsonl          the same, explicit
     --task hf:openai/gsm8k:main:train      a Hugging Face dataset: hf:<name>[:<config>]:<split> or hf:<name>;
     --task hf:/path/to/saved_dataset       a local directory written by Dataset.save_to_disk (load_from_disk)
+    --task reasoning_gym:chain_sum         a reasoning-gym generator; its splits, parameters, prompt and reward:
+                                           tasks/rgym.py
 
 Records (`RecordFields`): the prompt field holds a string or, in TRL's conversational format, a list of
 {"role", "content"} messages (system prompt included); the answer field a string (numbers become
@@ -45,7 +47,7 @@ from typing import Iterator
 
 from asyncrl.protocol import limits
 
-from . import rewards, toy
+from . import rewards, rgym, toy
 from .prompt import Prompt
 
 CHAT_TEMPLATE_MODES = ("auto", "on", "off")
@@ -300,6 +302,7 @@ class SourceReport:
     longest_columns_bytes: int = 0  # UTF-8, the columns JSON a lease carries (the answer is inside it)
     skipped_long: int = 0
     skipped_columns: int = 0
+    held_out: int = 0  # reasoning_gym: train problems left out because the evaluation split has them
     examples: list[str] = dataclasses.field(default_factory=list)  # first few skipped records, "where: why"
 
     @property
@@ -341,12 +344,29 @@ def check_records(records: list[Prompt], where: list[Where], tokenizer, *, max_p
     return kept, report
 
 
+def read_reasoning_gym(spec: str, opts: rgym.SplitOptions, split: str) -> tuple[list[Prompt], list[Where], int]:
+    """A reasoning-gym split as validated records (tasks/rgym.py), and how many train problems were held out
+    because the evaluation split has them."""
+    dataset = rgym.dataset_name(spec)
+    try:
+        opts = opts.resolved()
+        train, evals, held = rgym.splits(dataset, opts)
+    except (ImportError, ValueError) as exc:  # no reasoning-gym, bad parameters, SPLIT_OVERLAP
+        raise TaskSourceError(str(exc)) from None
+    entries = train if split == "train" else evals
+    fields = RecordFields(default_reward=rgym.REWARD)
+    where = [(f"{spec}[{split} {i}]", None) for i in range(len(entries))]
+    return [_record(rgym.record(e, dataset, opts), w, fields) for e, (w, _) in zip(entries, where)], where, held
+
+
 def open_source(spec: str, *, seed: int = 0, tokenizer=None, chat_template: str = "auto",
                 prompt_field: str = "prompt", answer_field: str = "answer", default_reward: str = "exact",
                 system_prompt: str = "", max_prompt_tokens: int | None = None,
-                oversized: str = "error") -> TaskSource:
+                oversized: str = "error", generator: rgym.SplitOptions | None = None,
+                split: str = "train") -> TaskSource:
     """Parse a `--task` spec (see the module docstring) into a resumable source. Dataset sources are checked
-    whole before this returns (`check_records`); their `report` says what was found and skipped."""
+    whole before this returns (`check_records`); their `report` says what was found and skipped.
+    `generator` and `split` apply to reasoning_gym: tasks (the "eval" split is walked in generation order)."""
     if chat_template not in CHAT_TEMPLATE_MODES:
         raise TaskSourceError(f"chat_template must be one of {CHAT_TEMPLATE_MODES}")
     try:
@@ -357,14 +377,23 @@ def open_source(spec: str, *, seed: int = 0, tokenizer=None, chat_template: str 
                           system_prompt=system_prompt)
     if spec in toy.TASKS:
         return BuiltinSource(spec, seed)
-    if spec.startswith("hf:"):
+    held = None
+    if spec.startswith(rgym.PREFIX):
+        records, where, held = read_reasoning_gym(spec, generator or rgym.SplitOptions(), split)
+        name = "rg_" + rgym.dataset_name(spec) + ("" if split == "train" else "_eval")
+        try:
+            system_prompt = rgym.system_prompt(system_prompt)
+        except ValueError as exc:
+            raise TaskSourceError(str(exc)) from None
+    elif spec.startswith("hf:"):
         (records, where), name = read_hf(spec[3:], fields), "hf"
     elif spec.startswith("jsonl:") or spec.endswith(".jsonl"):
         path = Path(spec[6:] if spec.startswith("jsonl:") else spec)
         (records, where), name = read_jsonl(path, fields), path.stem
     else:
         raise TaskSourceError(f"unknown task {spec!r}: use a built-in task {sorted(toy.TASKS)}, "
-                              "a .jsonl file (or jsonl:PATH) or hf:<dataset>[:config][:split]")
+                              "a .jsonl file (or jsonl:PATH), hf:<dataset>[:config][:split] or "
+                              "reasoning_gym:<dataset>")
     has_template = tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
     if chat_template == "on" and not has_template:
         raise TaskSourceError("chat_template='on' but the tokenizer has no chat template")
@@ -376,13 +405,16 @@ def open_source(spec: str, *, seed: int = 0, tokenizer=None, chat_template: str 
             why = ("chat_template is 'off'" if chat_template == "off" else "the tokenizer has no chat template")
             raise TaskSourceError(f"{where[chat][0]}: a conversational prompt (a list of messages) needs a chat "
                                   f"template, but {why}", where=where[chat][0], line=where[chat][1])
-        if system_prompt:
+        if system_prompt and held is not None:  # reasoning-gym's instructions, as plain text before the question
+            records = [dataclasses.replace(r, text=f"{system_prompt}\n\n{r.text}\n") for r in records]
+        elif system_prompt:
             raise TaskSourceError(f"system_prompt needs a chat template, but {'chat_template is off' if chat_template == 'off' else 'the tokenizer has none'}")
     records, report = check_records(records, where, tokenizer, max_prompt_tokens=max_prompt_tokens,
                                     oversized=oversized)
     if not records:
         raise TaskSourceError(f"task source {spec!r}: every record was skipped ({report.examples[:1]})")
     name = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in name)[:40] or "task"
-    source = RecordsSource(name, records, seed)
+    source = RecordsSource(name, records, seed, shuffle=split == "train")
     source.report = report
+    report.held_out = held or 0
     return source

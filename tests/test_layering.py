@@ -1,7 +1,7 @@
 """The layering, read straight off the import statements (ast only: nothing is imported or executed).
 
     protocol  <-  swarm  <-  coordinator, client          protocol imports nothing of ours
-    protocol  <-  models, tasks  <-  coordinator, client  coordinator and client never import each other
+    protocol  <-  models, tasks  <-  envs  <-  coordinator, client    coordinator and client never import each other
 
 Every top-level folder that installs is one subsystem under `asyncrl.` (pyproject's package-dir), so
 the folder list is the architecture diagram; benchmarks and test fixtures stay out of the package.
@@ -29,8 +29,9 @@ ALLOWED = {  # subsystem -> what of ours it may import ("root": the shared async
     "swarm": {"protocol"},
     "models": {"protocol"},
     "tasks": {"protocol"},
-    "coordinator": {"protocol", "swarm", "models", "tasks", "root"},
-    "client": {"protocol", "swarm", "models", "tasks", "root"},
+    "envs": {"protocol", "tasks"},
+    "coordinator": {"protocol", "swarm", "models", "tasks", "envs", "root"},
+    "client": {"protocol", "swarm", "models", "tasks", "envs", "root"},
 }
 
 
@@ -64,8 +65,7 @@ def read_in_a_fresh_interpreter(jobs: list[tuple[Path, str]]) -> list[set[str]]:
     """`imported_modules` of each (path, module), computed by a child Python that runs no other thread.
     CPython 3.11 keeps the AST constructor's recursion depth in interpreter-wide state, so ast.parse in a
     pytest worker whose earlier in-process tests left threads running can fail with `SystemError: AST
-    constructor recursion depth mismatch` (CI run with two CPU hogs, 2026-12-02: before=144, after=165;
-    see python/cpython#106905)."""
+    constructor recursion depth mismatch` (python/cpython#106905)."""
     code = ("import json, sys; from pathlib import Path; from tests.test_layering import imported_modules; "
             "print(json.dumps([sorted(imported_modules(Path(p), m)) for p, m in json.load(sys.stdin)]))")
     done = subprocess.run([sys.executable, "-c", code], input=json.dumps([[str(p), m] for p, m in jobs]), cwd=REPO,

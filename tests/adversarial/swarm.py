@@ -24,6 +24,7 @@ import numpy as np
 from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import Identity, fingerprint, public_key_from_peer_id
+from asyncrl.runlog import read_events
 from asyncrl.swarm.streams import stream_name
 
 from tests.conftest import wait_for  # one polling helper for every suite (re-exported below)
@@ -151,16 +152,7 @@ class Swarm:
         return f"verdicts={entries} learner_version={self.current_version()} audit={trust.get('audit')}"
 
     def current_version(self) -> int:
-        metrics = self.run / "metrics.jsonl"
-        version = 0
-        for line in metrics.read_text().splitlines() if metrics.exists() else []:
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
-            if ev.get("event") == "publish":
-                version = max(version, ev["version"])
-        return version
+        return max((ev["version"] for ev in read_events(self.run, "publish")), default=0)
 
     def rss_bytes(self) -> int:
         for line in Path(f"/proc/{self.coordinator_pid}/status").read_text().splitlines():

@@ -154,3 +154,16 @@ def test_bans_and_strikes_survive_a_restart():
     with pytest.raises(ProtocolError) as e:
         fresh.load_state(b"\x00garbage")
     assert e.value.code is RejectCode.MALFORMED
+
+
+def test_track_records_survive_a_restart():
+    """Who is proven, and who delivers from its own peer, outlive a restart: after it, a copy of alice's request
+    from another peer is still refused, and her reports still weigh as a proven key's."""
+    ac = make()
+    ac.record_accepted(ALICE.public_key, ALICE.peer_id)
+    ac.record_accepted(ALICE.public_key, ALICE.peer_id)
+    fresh = make()
+    fresh.load_state(ac.state_bytes())
+    assert fresh.has_accepted(ALICE.public_key) and fresh.valid_streak(ALICE.public_key) == 2
+    assert not fresh.has_accepted(BOB.public_key)
+    assert code_of(fresh.admit_identity, ALICE.public_key, peer="copier") is RejectCode.NOT_ALLOWED

@@ -247,3 +247,50 @@ def _vllm_driver(request_path: str, result_path: str) -> None:
 
 if __name__ == "__main__":
     _vllm_driver(*sys.argv[1:3])
+
+
+def test_merge_keeps_a_bf16_base_in_bf16_with_the_bits_of_an_fp32_merge(tmp_path):
+    """`merge_adapter` merges in the base's own dtype (no fp32 copy of the base): a bf16 base stays bf16, and
+    every merged weight has exactly the bits of merging in fp32 and casting to bf16."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.coordinator.export import merge_adapter
+    from asyncrl.models.lora import peft_config, standard_adapter_names, with_lora
+    from asyncrl.models.tinymodel import write_tiny_model
+    from asyncrl.protocol.messages import LoraSpec
+
+    tiny = write_tiny_model(tmp_path / "tiny")
+    bf16_dir = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(str(tiny), dtype=torch.bfloat16).save_pretrained(bf16_dir)
+    for f in tiny.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "generation_config.json"):
+            (bf16_dir / f.name).write_bytes(f.read_bytes())
+    spec = LoraSpec(**LORA)
+    peft_model = with_lora(AutoModelForCausalLM.from_pretrained(str(tiny)), spec, seed=3)
+    gen = torch.Generator().manual_seed(0)
+    for name, p in peft_model.named_parameters():
+        if "lora_B" in name:  # a trained-looking adapter: B is zero at init
+            p.data = torch.randn(p.shape, generator=gen) * 0.05
+    from peft import get_peft_model_state_dict
+
+    tensors = standard_adapter_names(get_peft_model_state_dict(peft_model))
+    cfg = {k: (sorted(v) if isinstance(v, set) else v) for k, v in peft_config(spec).to_dict().items()}
+
+    merged = merge_adapter(bf16_dir, cfg, tensors, device="cpu")
+    base32 = AutoModelForCausalLM.from_pretrained(str(bf16_dir), dtype=torch.float32)
+    import tempfile
+
+    from safetensors.torch import save_file
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "adapter_config.json").write_text(json.dumps(cfg, default=str))
+        save_file(tensors, str(Path(tmp) / "adapter_model.safetensors"))
+        reference = PeftModel.from_pretrained(base32, tmp).merge_and_unload()
+    ref = {n: p.to(torch.bfloat16) for n, p in reference.state_dict().items()}
+    got = merged.state_dict()
+    assert {p.dtype for p in got.values()} == {torch.bfloat16}
+    assert set(got) == set(ref)
+    assert all(torch.equal(got[n], ref[n]) for n in got)
+    base16 = AutoModelForCausalLM.from_pretrained(str(bf16_dir), dtype=torch.bfloat16).state_dict()
+    assert any(not torch.equal(got[n], base16[n]) for n in got if "q_proj" in n)  # the adapter was merged in

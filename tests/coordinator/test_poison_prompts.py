@@ -28,9 +28,9 @@ def epochs(records: int):
         n += 1
 
 
-def board(clock, failures=3, records=1000):
-    return TaskBoard(epochs(records), lease_timeout_s=10.0, max_leases_per_client=8, lease_max_s=10.0,
-                     prompt_max_failures=failures, clock=clock)
+def board(clock, failures=3, records=1000, standing=None, source=None):
+    return TaskBoard(source or epochs(records), lease_timeout_s=10.0, max_leases_per_client=8, lease_max_s=10.0,
+                     prompt_max_failures=failures, clock=clock, standing=standing, records=records)
 
 
 def report(b, key) -> str:
@@ -140,3 +140,79 @@ def test_a_lease_whose_batch_is_being_verified_does_not_expire_under_our_checks(
     b.unhold([a.lease_id, c.lease_id])  # the other one's batch was refused: it expires at the next pass
     assert b.expire() == 1 and b.counts()["requeued_waiting"] == 1
     assert b.balanced(queued_groups=1)
+
+
+SYBILS = [bytes([100 + i]) * 32 for i in range(30)]
+
+
+def test_sybil_keys_reporting_every_record_retire_nothing_and_proven_keys_at_most_the_share():
+    """30 fresh keys report every record of a 4-record task: none is retired (fresh keys together weigh at most
+    one proven key's report), every lease is still granted; proven keys' reports retire at most RETIRE_SHARE."""
+    clock = FakeClock()
+    proven = set(KEYS[:4])
+    b = board(clock, records=4, standing=lambda key: key in proven)
+    for _ in range(4):
+        for k in SYBILS:
+            report(b, k)
+    c = b.counts()
+    assert c["retired"] == 0 and c["retired_records"] == 0, c
+    assert sorted({l.prompt.text for l in b.lease(KEYS[0], 8)}) == ["q0", "q1", "q2", "q3"]  # the whole task
+    # Two proven keys + the Sybils' weight (1) reach 3 on the records they report: one record of 4 is retired.
+    b2 = board(clock, records=4, standing=lambda key: key in proven)
+    texts = [report(b2, k) for k in SYBILS[:3] + KEYS[:2]]
+    assert texts == ["q0"] * 5 and b2.counts()["retired_records"] == 1
+    for k in SYBILS[:3] + KEYS[:3]:  # ...and q1 the same way: past the share of a 4-record task
+        report(b2, k)
+    c = b2.counts()
+    assert c["retired_records"] == 1 and c["retire_capped"] >= 1, c
+    assert {l.prompt.text for l in b2.lease(KEYS[3], 8)} == {"q1", "q2", "q3"}
+    assert b2.balanced(queued_groups=0)
+
+
+def test_resume_brings_back_a_record_set_retired_without_standing_evidence():
+    """A checkpoint whose retired set covers the whole task (written before evidence was weighed: every record
+    retired by Sybil reports) resumes with every record leased again; a retirement whose proven reporters were
+    banned since comes back once the access books are loaded (`recheck_retired`)."""
+    clock = FakeClock()
+    b = board(clock, records=4)
+    for k in KEYS[:3]:
+        report(b, k)  # q0 retired by three keys that were proven then
+    state = b.state()
+    legacy = dict(state, retired_content=state["retired_content"] + ["a" * 32, "b" * 32, "c" * 32])
+    del legacy["retired_evidence"]  # as an older coordinator wrote it
+    restored = board(clock, records=4)
+    restored.restore(legacy)
+    assert restored.counts()["retired_records"] == 0 and restored.counts()["unretired"] == 4
+    assert {l.prompt.text for l in restored.lease(KEYS[5], 8)} == {"q0", "q1", "q2", "q3"}
+
+    banned = set()
+    again = board(clock, records=4, standing=lambda key: key not in banned)
+    again.restore(state)
+    assert again.counts()["retired_records"] == 1  # its evidence is whole
+    banned.update(KEYS[:2])  # the access books come back: two of its three reporters are banned
+    assert again.recheck_retired() == 1
+    assert again.counts()["retired_records"] == 0
+    assert "q0" in {l.prompt.text for l in again.lease(KEYS[5], 4)}
+
+
+class CountingSource:
+    def __init__(self, inner):
+        self.inner, self.drawn = inner, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.drawn += 1
+        return next(self.inner)
+
+
+def test_a_lease_call_skips_a_bounded_number_of_retired_records_in_all():
+    clock = FakeClock()
+    source = CountingSource(epochs(1))
+    b = board(clock, failures=2, records=1, source=source)
+    report(b, KEYS[0])
+    report(b, KEYS[1])  # the task's only record retired
+    drawn = source.drawn
+    assert b.lease(KEYS[2], 8) == []
+    assert source.drawn - drawn == taskboard.SOURCE_SKIP_BOUND  # for the whole call, not per prompt asked

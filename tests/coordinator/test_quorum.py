@@ -77,7 +77,7 @@ def _desk(*, sync: bool, needed: int):
 def _grant(desk, coordinator, volunteer: Identity, name: str) -> messages.LeaseGrant:
     payload = messages.encode(messages.LeaseRequest(run_id=RUN, max_prompts=2, adapter_version=0, client_name=name))
     sealed = envelope.seal(volunteer, "lease_request", payload, audience=coordinator.public_key)
-    return messages.decode(desk.handle(sealed, peer="p"), messages.LeaseGrant, max_bytes=1 << 20)
+    return messages.decode(desk.handle(sealed, peer=volunteer.peer_id), messages.LeaseGrant, max_bytes=1 << 20)
 
 
 def _ask(desk, coordinator, volunteer: Identity, name: str) -> tuple:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from asyncrl.coordinator.receipts import ReceiptDesk
 from asyncrl.protocol import receipts
 from asyncrl.protocol.identity import fingerprint
-from tests.coordinator.test_ingest_trust import ALICE, COORD, make_ingest, sealed_batch, tokenizer  # noqa: F401 (fixture)
+from tests.coordinator.test_ingest_trust import ALICE, COORD, MALLORY, make_ingest, sealed_batch, tokenizer  # noqa: F401 (fixture)
 
 
 def test_acks_carry_receipts_with_running_totals(tokenizer, tmp_path):
@@ -29,7 +29,7 @@ def test_acks_carry_receipts_with_running_totals(tokenizer, tmp_path):
     assert again.code == "DUPLICATE_BATCH" and again.receipt == first.receipt
     restarted = ReceiptDesk(COORD, "r", tmp_path / "receipts.bin")
     assert restarted.summary() == ingest.receipts.summary()
-    assert restarted.lookup(first.batch_id) == first.receipt
+    assert restarted.lookup(first.batch_id, ALICE.public_key) == first.receipt
 
 
 def test_rejected_batches_get_no_receipt(tokenizer, tmp_path):
@@ -54,4 +54,32 @@ def test_a_restart_reads_the_totals_snapshot_and_replays_only_the_log_after_it(t
     again = ReceiptDesk(COORD, "r", tmp_path / "receipts.bin")
     assert again.summary() == desk.summary() == {fingerprint(ALICE.public_key): {"batches": 5, "groups": 5,
                                                                                  "tokens": 50}}
-    assert again.lookup(bytes([4]) * 32) == desk.lookup(bytes([4]) * 32)  # replayed after the snapshot
+    assert again.lookup(bytes([4]) * 32, ALICE.public_key) == desk.lookup(bytes([4]) * 32, ALICE.public_key) != b""  # replayed after the snapshot
+
+
+def test_a_receipt_goes_only_to_its_owner(tokenizer, tmp_path):
+    """mallory re-seals alice's accepted payload under her own key (same batch id: DUPLICATE_BATCH), or delivers
+    a copy of alice's envelope from her own peer: "accepted", but no receipt of alice's; alice's own retry
+    still gets it."""
+    from asyncrl.protocol import envelope
+
+    ingest = make_ingest(tokenizer)
+    ingest.receipts = ReceiptDesk(COORD, "r", tmp_path / "receipts.bin")
+    sealed = sealed_batch(ingest, tokenizer)
+    first = ingest.handle(sealed, ALICE.peer_id)
+    assert first.accepted and first.receipt
+    payload = envelope.open_envelope(sealed, max_bytes=1 << 20, expected_kind="rollout_batch",
+                                     expected_audience=COORD.public_key, window_s=None).payload
+    resealed = envelope.seal(MALLORY, "rollout_batch", payload, audience=COORD.public_key)
+    stolen = ingest.handle(resealed, MALLORY.peer_id)
+    assert stolen.code == "DUPLICATE_BATCH" and stolen.batch_id == first.batch_id and stolen.receipt == b""
+    copy = ingest.handle(sealed, MALLORY.peer_id)  # her envelope, from another peer
+    assert copy.code == "DUPLICATE_BATCH" and copy.receipt == b""
+    own = ingest.handle(sealed, ALICE.peer_id)
+    assert own.code == "DUPLICATE_BATCH" and own.receipt == first.receipt
+
+    # a copy of a new batch of hers that arrives from another peer first: accepted, receipted to her, not handed out
+    sealed = sealed_batch(ingest, tokenizer)
+    relayed = ingest.handle(sealed, MALLORY.peer_id)
+    assert relayed.accepted and relayed.code is None and relayed.receipt == b""
+    assert ingest.handle(sealed, ALICE.peer_id).receipt != b""

@@ -9,16 +9,15 @@ import signal
 
 import pytest
 
+from asyncrl.runlog import read_events
+
 from tests.conftest import wait_for, wait_for_join
 
 pytestmark = pytest.mark.integration
 
 
 def _batch_events(run):
-    path = run / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == "batch"]
+    return read_events(run, "batch")
 
 
 def test_a_killed_pipelined_volunteer_keeps_every_unacked_batch(procs, tmp_path):

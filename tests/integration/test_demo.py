@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.runlog import read_events
+
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.integration
@@ -20,9 +22,7 @@ pytestmark = pytest.mark.integration
 
 def _first_step(demo, run: Path) -> bool:
     assert demo.poll() is None, demo.log_path.read_text()[-3000:]
-    path = run / "metrics.jsonl"
-    return path.exists() and any(json.loads(line)["event"] == "step" for line in path.read_text().splitlines()
-                                 if line.endswith("}"))
+    return bool(read_events(run, "step"))
 
 
 def _alive_in(groups: set[int]) -> list[int]:

@@ -9,6 +9,7 @@ import signal
 import pytest
 
 from asyncrl.protocol import messages
+from asyncrl.runlog import read_events
 
 from tests.conftest import wait_for, wait_for_join
 
@@ -16,10 +17,7 @@ pytestmark = pytest.mark.integration
 
 
 def _events(run, kind):
-    path = run / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == kind]
+    return read_events(run, kind)
 
 
 def test_killed_volunteers_prompts_are_released_and_trained(procs, tmp_path):

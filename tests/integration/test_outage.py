@@ -16,6 +16,8 @@ import time
 
 import pytest
 
+from asyncrl.runlog import read_events
+
 from tests.conftest import wait_for, wait_for_join
 
 pytestmark = pytest.mark.integration
@@ -24,8 +26,7 @@ WINDOW_S = 4.0
 
 
 def _events(run):
-    path = run / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return read_events(run)
 
 
 def _status(d):

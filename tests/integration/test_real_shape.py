@@ -19,6 +19,8 @@ import time
 
 import pytest
 
+from asyncrl.runlog import read_events
+
 from tests.conftest import REPO, require_vllm, wait_for, wait_for_join
 from tests.realshape import write_model
 
@@ -59,7 +61,7 @@ def write_reward_package(root):
 
 
 def events(run, kind):
-    return [e for e in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if e["event"] == kind]
+    return read_events(run, kind)
 
 
 def test_vllm_volunteers_at_a_real_vocabulary_train_a_trl_style_conversational_task(procs, tmp_path):

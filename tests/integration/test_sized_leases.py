@@ -20,6 +20,8 @@ import signal
 import pytest
 
 from asyncrl.protocol.errors import RejectCode
+from asyncrl.runlog import read_events
+
 from tests.conftest import wait_for, wait_for_join
 
 pytestmark = pytest.mark.integration
@@ -34,8 +36,7 @@ def _status(root, name) -> dict:
 
 
 def _events(run, kind):
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    return [e for e in map(json.loads, lines) if e["event"] == kind]
+    return read_events(run, kind)
 
 
 def test_a_slowed_volunteer_takes_smaller_leases_and_loses_nothing_where_a_fixed_lease_dies(procs, tmp_path):

@@ -15,7 +15,10 @@ import urllib.request
 
 import pytest
 
-from tests.conftest import wait_for, wait_for_join
+from asyncrl.runlog import read_events
+
+from tests.conftest import wait_for
+from tests.harness import start_coordinator, start_volunteer
 
 pytestmark = pytest.mark.integration
 
@@ -33,9 +36,7 @@ def _status(path):
 
 def _trained_by_both(run, tmp_path) -> bool:
     """>= 12 steps, each volunteer's batches in at least one of them, >= 2 adapter versions loaded by each."""
-    path = run / "metrics.jsonl"
-    events = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []
-    steps = [e for e in events if e["event"] == "step"]
+    steps = read_events(run, "step")
     return (len(steps) >= 12 and {c for e in steps for c in e["clients"]} == {"vol-0", "vol-1"}
             and all(len(set(_status(tmp_path / f"c{i}" / "status.json").get("versions_loaded") or [])) >= 2
                     for i in range(2)))
@@ -43,18 +44,14 @@ def _trained_by_both(run, tmp_path) -> bool:
 
 def test_two_volunteers_train_the_tiny_model(procs, tmp_path):
     run = tmp_path / "run"
-    coord = procs.start("coordinator", ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny",
-                                        "--run-dir", str(run), "--max-steps", "0", "--threads", "1",
-                                        "--groups-per-step", "4", "--max-wait-s", "2", "--wait-for-volunteers", "2"])
-    join = wait_for_join(run)
+    started = start_coordinator(procs, run, no_dashboard=False, groups_per_step=4, max_wait_s=2, wait_for_volunteers=2)
+    coord, join = started.proc, started.join
     assert join.startswith("/ip4/127.0.0.1/tcp/") and "/p2p/12D3KooW" in join
     url = wait_for(lambda: (run / "dashboard.txt").exists() and (run / "dashboard.txt").read_text().strip(), 60,
                    "dashboard.txt")
     with urllib.request.urlopen(url + "api/status", timeout=30) as resp:  # nobody in yet: the run says it waits
         assert json.loads(resp.read())["learner"]["waiting_for_volunteers"] == {"needed": 2, "joined": 0}
-    clients = [procs.start(f"client-{i}", ["-m", "asyncrl.client.cli", "join", join, "--name", f"vol-{i}",
-                                           "--data-dir", str(tmp_path / f"c{i}"), "--seed", str(i),
-                                           "--threads", "1"]) for i in range(2)]
+    clients = [start_volunteer(procs, join, tmp_path / f"c{i}", name=f"vol-{i}", seed=i) for i in range(2)]
     try:
         wait_for(lambda: _trained_by_both(run, tmp_path), 400, "12 steps with a trained batch from each volunteer")
     except AssertionError as exc:
@@ -70,7 +67,7 @@ def test_two_volunteers_train_the_tiny_model(procs, tmp_path):
     assert summary["adapter_versions_published"] >= 3
     assert summary["lora_delta_norm"] > 0, "the LoRA parameters did not change"
     assert set(summary["batches_by_client"]) == {"vol-0", "vol-1"}
-    events = [json.loads(line)["event"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    events = [e["event"] for e in read_events(run)]
     assert events.count("volunteer_in") == 2 and events.index("volunteers_ready") < events.index("step")
     assert all(n >= 1 for n in summary["batches_by_client"].values()), summary
     for i in range(2):

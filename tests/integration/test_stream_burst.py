@@ -5,7 +5,7 @@ default accept queue (100) a burst larger than that during a stall of the loop (
 a crowd of volunteers) made p2pd reset the extra streams, and their callers read 0 bytes: no answer, no
 code (CI runs of 2026-12-01: `IncompleteReadError: 0 bytes read on a total of 1 expected bytes` on leases
 and submits). Every stream now reaches the inbound gate, which answers it or refuses it with a code
-(swarm/transport.py `_listen_backlog_patch`). Two real nodes in two processes (tests/integration/
+(swarm/hivemind_private.py `_listen_backlog_patch`). Two real nodes in two processes (tests/integration/
 stream_burst.py), their real p2pd, on loopback; the server's loop blocks for 3 s while 150 streams arrive."""
 
 from __future__ import annotations

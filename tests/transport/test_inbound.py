@@ -272,3 +272,43 @@ def test_peers_without_a_track_record_share_only_part_of_the_budget():
         with gate.reserve("volunteer-a", 400), gate.reserve("volunteer-b", 100):  # the rest is theirs
             assert gate.inflight_bytes == 1000
     assert gate.inflight_bytes == 0 and gate.untrusted_bytes == 0 and not gate.bytes_by_peer
+
+
+def test_a_zero_byte_request_overlapping_another_of_the_same_peer_is_answered():
+    """A peer's empty request that starts before and ends after its own non-empty one (any order of ending):
+    each is answered by its handler, and the peer's books end empty (not INTERNAL from a KeyError)."""
+    gate = InboundGate(InboundLimits())
+
+    async def go():
+        release_empty, release_full = asyncio.Event(), asyncio.Event()
+        started = {"empty": asyncio.Event(), "full": asyncio.Event()}
+
+        async def held(request, peer):
+            which = "full" if request else "empty"
+            started[which].set()
+            await (release_full if request else release_empty).wait()
+            return which.encode()
+
+        on_stream = stream_handler(gate, "t", held, max_request_bytes=1 << 20)
+
+        def start(body: bytes):
+            reader = asyncio.StreamReader()
+            reader.feed_data(frame(body))
+            reader.feed_eof()
+            writer = RecordingWriter()
+            return asyncio.ensure_future(on_stream(PeerInfo("p"), reader, writer)), writer
+
+        empty, w_empty = start(b"")
+        await started["empty"].wait()
+        full, w_full = start(b"x" * 100)
+        await started["full"].wait()
+        assert gate.bytes_by_peer == {"p": 100}
+        release_full.set()  # the non-empty one ends first, then the empty one
+        await full
+        release_empty.set()
+        await empty
+        return w_empty, w_full
+
+    w_empty, w_full = asyncio.run(go())
+    assert w_empty.answer() == (STATUS_OK, b"empty") and w_full.answer() == (STATUS_OK, b"full")
+    assert gate.inflight_bytes == 0 and gate.streams == 0 and not gate.bytes_by_peer and not gate.by_peer
