@@ -23,7 +23,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     from .config import CoordinatorConfig
-    from .loss import CORRECTIONS
+    from .loss_config import CORRECTIONS
 
     d = CoordinatorConfig()
     p = argparse.ArgumentParser(prog="asyncrl-coordinator", description="asyncrl coordinator: learner + publisher")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .loss import LossConfig
+from .loss_config import LossConfig
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TINY_MODELS = ("tiny", "asyncrl/tiny-qwen2")  # models/tinymodel.py TINY_MODEL_NAME

@@ -396,7 +396,7 @@ def run_follower(cfg, out=print) -> int:
     from asyncrl.models import tinymodel
     from asyncrl.protocol.messages import LoraSpec
 
-    from .service import resolve_model
+    from .base_model import resolve_model
 
     if cfg.model in ("tiny", tinymodel.TINY_MODEL_NAME):  # rank 0 writes the tiny model; do not race it
         marker = Path(tinymodel.default_tiny_model_dir()) / tinymodel.MARKER

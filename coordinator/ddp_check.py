@@ -55,7 +55,7 @@ def run(out: str, *, steps: int, groups_per_step: int, loss_types: list[str], se
     from asyncrl.protocol.messages import LoraSpec
 
     from .ddp import finish_rank, make_learner, start_heartbeat, stop_heartbeat, world
-    from .loss import LossConfig
+    from .loss_config import LossConfig
 
     torch.set_num_threads(1)
     path = str(tinymodel.write_tiny_model(tinymodel.default_tiny_model_dir()))

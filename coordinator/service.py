@@ -44,27 +44,13 @@ from asyncrl.runlog import METRICS_FILE, RunLog
 from asyncrl.swarm import streams
 from asyncrl.swarm.streams import stream_name
 
+from .base_model import resolve_model
 from .config import CoordinatorConfig
+from .episodes import environment_pin, replay_metrics
 from .leasing import MAX_LEASE_REQUEST_BYTES
 
 FINAL_POINTER_WAIT_S = 90.0  # at the run's end the publisher thread may still be storing the last version
 AUDIT_ENGINES_FILE = "audit_engines.json"  # each engine class's learned audit tolerance (coordinator/audit_policy.py)
-
-
-def resolve_model(cfg: CoordinatorConfig, *, out=print):
-    """The run's base model pinned to an immutable revision (models/pinning.py): a `ResolvedBase` whose
-    `path` holds exactly the files every manifest pins. On --resume a moving `model_revision` ("main")
-    becomes the commit the checkpoint was trained on, so an upstream push cannot change a run midway."""
-    from asyncrl.models import pinning
-
-    revision = cfg.model_revision
-    if cfg.resume and not pinning.is_commit_sha(revision):
-        from .checkpoint import latest_meta
-
-        meta = latest_meta(Path(cfg.run_dir)) or {}
-        if meta.get("base_model") == cfg.model and pinning.is_commit_sha(meta.get("base_revision", "")):
-            revision = meta["base_revision"]
-    return pinning.resolve(cfg.model, revision, out=out)
 
 
 class Coordinator:
@@ -320,7 +306,6 @@ class Coordinator:
 
         from asyncrl.protocol.handshake import MAX_INFO_REQUEST_BYTES
 
-        from .episodes import environment_pin
         from .handshake import GatePolicy, HandshakeDesk
 
         self.handshake = HandshakeDesk(run_id=cfg.run_id, gate=GatePolicy.from_config(cfg),
@@ -409,7 +394,7 @@ class Coordinator:
                            staleness=result.staleness, clip_fraction=result.clip_fraction,
                            ratio_mean=result.ratio_mean, seconds=result.seconds,
                            **{k: v for k, v in result.metrics.items() if k not in ("loss", "clip_fraction", "ratio_mean")},
-                           tokens=result.tokens, clients=sorted({item.client for item in items}),
+                           tokens=result.tokens, clients=sorted({item.client for item in items}), **replay_metrics(),
                            dropped_total=self.board.counts()["dropped"], batch_ids=batch_ids)
             if self.learner.steps % cfg.publish_every == 0:
                 self.learner.version += 1
