@@ -43,6 +43,15 @@ def environment_pin(task: str) -> str:
     return json.dumps(envs.pin(task[len(ENV_PREFIX):].partition(":")[0]), sort_keys=True)
 
 
+def replay_metrics() -> dict:
+    """For the learner's `step` event (metrics.jsonl, the dashboard's /status and /metrics): the median replay
+    time per episode over the recent ones; {} in a run without episodes."""
+    if not replay_ms:
+        return {}
+    recent = sorted(replay_ms)
+    return {"episode_replay_ms": recent[len(recent) // 2]}
+
+
 def is_episode_lease(lease) -> bool:
     return lease.prompt.reward.startswith(ENV_PREFIX)
 

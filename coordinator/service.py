@@ -46,6 +46,7 @@ from asyncrl.swarm.streams import stream_name
 
 from .base_model import resolve_model
 from .config import CoordinatorConfig
+from .episodes import environment_pin, replay_metrics
 from .leasing import MAX_LEASE_REQUEST_BYTES
 
 FINAL_POINTER_WAIT_S = 90.0  # at the run's end the publisher thread may still be storing the last version
@@ -305,7 +306,6 @@ class Coordinator:
 
         from asyncrl.protocol.handshake import MAX_INFO_REQUEST_BYTES
 
-        from .episodes import environment_pin
         from .handshake import GatePolicy, HandshakeDesk
 
         self.handshake = HandshakeDesk(run_id=cfg.run_id, gate=GatePolicy.from_config(cfg),
@@ -394,7 +394,7 @@ class Coordinator:
                            staleness=result.staleness, clip_fraction=result.clip_fraction,
                            ratio_mean=result.ratio_mean, seconds=result.seconds,
                            **{k: v for k, v in result.metrics.items() if k not in ("loss", "clip_fraction", "ratio_mean")},
-                           tokens=result.tokens, clients=sorted({item.client for item in items}),
+                           tokens=result.tokens, clients=sorted({item.client for item in items}), **replay_metrics(),
                            dropped_total=self.board.counts()["dropped"], batch_ids=batch_ids)
             if self.learner.steps % cfg.publish_every == 0:
                 self.learner.next_version()
