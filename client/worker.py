@@ -373,11 +373,9 @@ class Volunteer:
             raise BaseModelMismatch(exc.code.value, exc.detail) from None
         if not self.cfg.quiet:
             self.out(f"base model {pin.name} at {pin.short()} verified ({base.path})")
-        from .engine import capped_memory_utilization
-
-        utilization = capped_memory_utilization(self.cfg.gpu_memory_utilization, self.cfg.max_gpu_memory_gb, out=self.out)
         self.engine = make_engine(self.cfg.engine, base.path, manifest.lora, seed=self.cfg.seed,
-                                  gpu_memory_utilization=utilization,
+                                  gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+                                  max_gpu_memory_gb=self.cfg.max_gpu_memory_gb,  # the engine's own budget
                                   max_model_len=self.cfg.max_model_len, stop_token_ids=pin.stop_token_ids,
                                   out=self.out)
         self.model_name = base.path
