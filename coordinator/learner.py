@@ -183,6 +183,12 @@ class Learner:
     def is_stale(self, version: int) -> bool:
         return self.max_staleness is not None and self.version - version > self.max_staleness
 
+    def next_version(self) -> int:
+        """The adapter as it is now becomes a new version (the hub then publishes it); returns its number.
+        Batches generated with older versions are judged stale against it."""
+        self.version += 1
+        return self.version
+
     def lora_parameters(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
 

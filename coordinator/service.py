@@ -398,7 +398,7 @@ class Coordinator:
                            tokens=result.tokens, clients=sorted({item.client for item in items}), **replay_metrics(),
                            dropped_total=self.board.counts()["dropped"], batch_ids=batch_ids)
             if self.learner.steps % cfg.publish_every == 0:
-                self.learner.version += 1
+                self.learner.next_version()
                 self._publish()
             if self.checkpoints.after_step():
                 self.log.write("checkpoint", step=self.learner.steps, version=self.learner.version,
