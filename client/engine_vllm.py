@@ -82,8 +82,12 @@ class VLLMEngine:
             raise EngineUnavailable(hint) from exc
         model_config = self.llm.llm_engine.model_config
         self.context_limit: int = model_config.max_model_len  # prompt + completion tokens (the volunteer checks)
-        # sequences one step runs at once: the volunteer leases enough prompts to fill it (client/lease_sizing.py)
-        self.max_num_seqs: int = self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+        # sequences one step runs at once (the volunteer leases enough prompts to fill it: client/lease_sizing.py)
+        # and the KV cache's size in tokens: both printed at start (client/worker.py engine_sizing)
+        vllm_config = self.llm.llm_engine.vllm_config
+        self.max_num_seqs: int = vllm_config.scheduler_config.max_num_seqs
+        cache = vllm_config.cache_config  # the KV cache the engine core allocated (0 when it did not say)
+        self.kv_cache_tokens: int = int(cache.num_gpu_blocks or 0) * int(cache.block_size or 0)
         self.dtype: torch.dtype = model_config.dtype
         self._vocab_size: int = model_config.get_vocab_size()
         self.tokenizer = AutoTokenizer.from_pretrained(model)  # plain HF tokenizer, as TransformersEngine has

@@ -199,6 +199,21 @@ def engine_kind(engine) -> str:
     return name if 0 < len(name) <= 32 and all(c.isalnum() or c in "_.-" for c in name) and name.isascii() else ""
 
 
+def engine_sizing(engine, manifest: messages.AdapterManifest, *, capped_by_user: bool) -> str:
+    """The line `join` prints once its engine runs: the context it serves and why, how many sequences it runs
+    at once, and its KV cache (what a volunteer checks when batches look small or memory looks wasted)."""
+    context = getattr(engine, "context_limit", None)
+    why = ("--max-model-len" if capped_by_user else "the task's longest prompt + max_new_tokens"
+           if manifest.max_context_tokens else "the model's own limit")
+    parts = [f"engine: {getattr(engine, 'name', '?')}, context {context} tokens ({why})"]
+    seqs, kv = getattr(engine, "max_num_seqs", 0), getattr(engine, "kv_cache_tokens", 0)
+    if seqs:
+        parts.append(f"up to {seqs} sequences at once")
+    if kv and context:
+        parts.append(f"KV cache {kv} tokens = {kv // context} full-length sequences")
+    return ", ".join(parts)
+
+
 class BaseModelMismatch(RuntimeError):
     """This volunteer cannot serve the run's base model: `.code` is a `models.pinning.PinCode` value (stable),
     the message says what differs and what to do. Raised before anything is generated or sent."""
@@ -373,11 +388,14 @@ class Volunteer:
             raise BaseModelMismatch(exc.code.value, exc.detail) from None
         if not self.cfg.quiet:
             self.out(f"base model {pin.name} at {pin.short()} verified ({base.path})")
+        # the task's longest sequence (manifest), not the model's whole context: that memory goes to batch
+        context = self.cfg.max_model_len or manifest.max_context_tokens or None
         self.engine = make_engine(self.cfg.engine, base.path, manifest.lora, seed=self.cfg.seed,
                                   gpu_memory_utilization=self.cfg.gpu_memory_utilization,
                                   max_gpu_memory_gb=self.cfg.max_gpu_memory_gb,  # the engine's own budget
-                                  max_model_len=self.cfg.max_model_len, stop_token_ids=pin.stop_token_ids,
+                                  max_model_len=context, stop_token_ids=pin.stop_token_ids,
                                   out=self.out)
+        self.out(engine_sizing(self.engine, manifest, capped_by_user=bool(self.cfg.max_model_len)))
         self.model_name = base.path
         self.sizer.engine_seqs = int(getattr(self.engine, "max_num_seqs", 0) or 0)  # leases that fill the engine
 

@@ -190,7 +190,8 @@ class Coordinator:
                                    base_revision=self.base_revision, lora=self.lora,
                                    keyframe_every=cfg.keyframe_every, chunk_bytes=cfg.chunk_bytes,
                                    base_weights_sha256=pin.weights_sha256, tokenizer_sha256=pin.tokenizer_sha256,
-                                   stop_token_ids=pin.stop_token_ids)
+                                   stop_token_ids=pin.stop_token_ids,
+                                   max_context_tokens=preflight.context_needed(source, cfg.max_new_tokens))
         self.gate = checkpoint.Gate()  # lease/submit handlers vs. a checkpoint snapshot
         self.checkpoints = checkpoint.Checkpointing(
             self.run_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints, gate=self.gate, learner=self.learner,

@@ -37,7 +37,7 @@ from .errors import ProtocolError, RejectCode
 SCHEMA_VERSION = 2
 """2 (one schema for every change of this release, across the branches that added them; new fields have
 defaults, at the end): LeaseGrant.retry_after_s, .max_batch_bytes and .renewed; LeaseRequest.renew and
-.client_version; TaskLease.columns; AdapterManifest base/tokenizer pins and stop_token_ids; RolloutBatch.engine_dtype and .engine_kind;
+.client_version; TaskLease.columns; AdapterManifest base/tokenizer pins, stop_token_ids and max_context_tokens; RolloutBatch.engine_dtype and .engine_kind;
 Ack.receipt; AdapterPointer.finished (run end); length caps on names and ids; swarm.ProvidersRecord.shard and .shards;
 Completion.env_mask (multi-turn episodes: b"" = every token is the model's, so batches without it stay valid)."""
 SHA256_BYTES = 32
@@ -173,6 +173,10 @@ class AdapterManifest(_Message):
     base_weights_sha256: str = ""  # "sha256:<hex>" over the model files
     tokenizer_sha256: str = ""     # "sha256:<hex>" over the tokenizer files
     stop_token_ids: Annotated[tuple[int, ...], msgspec.Meta(max_length=limits.MAX_STOP_TOKENS)] = ()
+    # schema 2 — the task's shape: the most tokens (prompt + completion) any sequence of this run needs, i.e.
+    # the longest prompt + max_new_tokens; a volunteer sizes its engine's context to it (never the model's
+    # whole 32k by default) and spends the memory on batch. 0 = not said (multi-turn tasks, built-in toys).
+    max_context_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] = 0
 
 
 class AdapterPointer(_Message):
