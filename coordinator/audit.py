@@ -36,8 +36,8 @@ crash, are audited against the very version they claim — never dropped for our
 unaudited. A version inside the kept window that is nonetheless missing (its file was lost) cannot be
 checked: the batch is accepted unaudited and counted (`unavailable`), since the loss is ours.
 
-What a miss costs (tolerance per engine dtype, calibrated at start-up; quarantine before strikes):
-coordinator/audit_policy.py.
+What a miss costs (tolerance per engine class, kind x dtype, learned from that class's first audited
+batches on a trained adapter; quarantine before strikes): coordinator/audit_policy.py.
 
 The statistic (`mismatch`): the worst completion's trimmed mean |claimed - recomputed| logprob per token
 (its largest 1 in 16 token differences left out: TRIM_FRACTION; completions under SHORT_TOKENS judged
@@ -91,6 +91,13 @@ def completion_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     positions, temperature, chunked LM head and arithmetic as training); on CPU. The auditor itself goes
     through `Learner.score_groups`, which also splits the rows into the learner's micro-batches."""
     return learner_logprobs(model, batch).cpu()
+
+
+def is_trained(tensors: dict[str, torch.Tensor]) -> bool:
+    """False for the zero adapter (every lora_B all zero: the base model itself, as a fresh LoRA starts);
+    honest noise measured on it misses the LoRA path's, so the policy's learning does not count it."""
+    bs = [t for name, t in tensors.items() if "lora_B" in name]
+    return not bs or any(bool(t.float().abs().max() > 0) for t in bs)
 
 
 TRIM_FRACTION = 1 / 16
@@ -186,10 +193,11 @@ class Auditor:
         self._lock = threading.Lock()        # guards the shadow model (one audit at a time)
         self._versions: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
         self._published_step: dict[int, int] = {}  # version -> learner.steps when it was published
+        self._trained: dict[int, bool] = {}  # version -> its adapter is not the zero one (policy learning counts it)
         self._loaded: int | None = None
-        # deferred batch id -> (signer, engine dtype); bounded: a batch the learner drops as stale before its
+        # deferred batch id -> (signer, engine dtype, engine kind); bounded: a batch the learner drops as stale before its
         # forward pass never reaches the hook, so its entry would otherwise stay forever
-        self._pending: OrderedDict[bytes, tuple[bytes, str]] = OrderedDict()
+        self._pending: OrderedDict[bytes, tuple[bytes, str, str]] = OrderedDict()
         self.stats = {"audited": 0, "deferred": 0, "passed": 0, "failed": 0, "reused_learner_pass": 0,
                       "shadow_confirms": 0, "shadow_passes": 0, "skipped": 0, "seconds_ingest": 0.0,
                       "seconds_train": 0.0, "learner_seconds": 0.0, "max_passing_mismatch": 0.0, "unavailable": 0,
@@ -234,9 +242,11 @@ class Auditor:
         with self._lock:
             self._versions[version] = kept
             self._published_step[version] = learner_steps
+            self._trained[version] = is_trained(kept)
             while len(self._versions) > self.keep_versions:
                 old, _ = self._versions.popitem(last=False)
                 self._published_step.pop(old, None)
+                self._trained.pop(old, None)
                 if self._loaded == old:
                     self._loaded = None
             held = set(self._versions)
@@ -272,16 +282,17 @@ class Auditor:
                 except (OSError, RuntimeError):
                     continue  # a torn file: that version counts as unavailable
                 self._published_step[version] = -1
+                self._trained[version] = is_trained(self._versions[version])
                 n += 1
             self._versions = OrderedDict(sorted(self._versions.items()))
         self.stats["reloaded_versions"] += n
         return n
 
-    def expect(self, batch_id: bytes, signer: bytes, engine_dtype: str = "") -> None:
+    def expect(self, batch_id: bytes, signer: bytes, engine_dtype: str = "", engine_kind: str = "") -> None:
         """A journal replay: a batch whose train-time audit was pending at the crash (its groups carry the
         flag) — remember whom to credit or strike when the learner's pass checks it."""
         with self._lock:
-            self._pending[batch_id] = (signer, engine_dtype)
+            self._pending[batch_id] = (signer, engine_dtype, engine_kind)
 
     def _unavailable(self, version: int, current_version: int) -> bool:
         """A version we should hold (inside the kept window) but do not: our loss, not the sender's."""
@@ -292,16 +303,19 @@ class Auditor:
             return list(self._versions)
 
     # ---- ingest-time --------------------------------------------------------------------------------
-    def probability(self, valid_streak: int, signer: bytes | None = None) -> float:
+    def probability(self, valid_streak: int, signer: bytes | None = None, engine_dtype: str = "",
+                    engine_kind: str = "") -> float:
         if signer is not None and self.policy.in_quarantine(signer):
             return 1.0  # quarantine: every batch is audited until enough pass (coordinator/audit_policy.py)
+        if self.policy.learning(engine_dtype, engine_kind):
+            return 1.0  # its engine class is still learning its tolerance: its first batches are all audited
         return 1.0 if valid_streak <= 0 else max(self.floor, 1.0 / valid_streak)
 
     def check(self, signer: bytes, batch_id: bytes, version: int, groups, *, valid_streak: int,
-              current_version: int, engine_dtype: str = "") -> str:
+              current_version: int, engine_dtype: str = "", engine_kind: str = "") -> str:
         """Audit (or schedule an audit of) a batch at ingest. Returns "skipped", "stale", "deferred" or
         "passed"; raises ProtocolError(LOGPROB_MISMATCH | STALE_VERSION)."""
-        if not self.enabled or self._rng.random() >= self.probability(valid_streak, signer):
+        if not self.enabled or self._rng.random() >= self.probability(valid_streak, signer, engine_dtype, engine_kind):
             self.stats["skipped"] += 1
             return "skipped"
         if self.max_staleness is not None and current_version - version > self.max_staleness:
@@ -312,7 +326,7 @@ class Auditor:
             for g in groups:
                 g.batch_id, g.audit = batch_id, True
             with self._lock:
-                self._pending[batch_id] = (signer, engine_dtype)
+                self._pending[batch_id] = (signer, engine_dtype, engine_kind)
                 while len(self._pending) > MAX_PENDING:
                     self._pending.popitem(last=False)
             self.stats["deferred"] += 1
@@ -327,7 +341,8 @@ class Auditor:
             raise
         finally:
             self.stats["seconds_ingest"] += time.perf_counter() - t0
-        self._judge(stat, batch_id, signer, "ingest", raise_on_fail=True, engine_dtype=engine_dtype)
+        self._judge(stat, batch_id, signer, "ingest", raise_on_fail=True, engine_dtype=engine_dtype,
+                    engine_kind=engine_kind, version=version)
         return "passed"
 
     # ---- train-time ---------------------------------------------------------------------------------
@@ -372,11 +387,12 @@ class Auditor:
             for i in idxs:
                 groups[i].audit = False
             with self._lock:
-                signer, engine_dtype = self._pending.pop(batch_id, (b"", ""))
+                signer, engine_dtype, engine_kind = self._pending.pop(batch_id, (b"", "", ""))
             if stat is None:
                 continue
             if code is None:
-                if not self._judge(stat, batch_id, signer, "train", raise_on_fail=False, engine_dtype=engine_dtype):
+                if not self._judge(stat, batch_id, signer, "train", raise_on_fail=False, engine_dtype=engine_dtype,
+                                   engine_kind=engine_kind, version=version):
                     rejected.add(batch_id)
             else:
                 self.stats["failed"] += 1
@@ -416,10 +432,12 @@ class Auditor:
         return mismatch(recomputed, batch["sampling_logps"], batch["mask"])
 
     def _judge(self, stat: float, batch_id: bytes, signer: bytes, stage: str, *, raise_on_fail: bool,
-               engine_dtype: str = "") -> bool:
-        """Apply the policy (tolerance for the batch's engine dtype; quarantine before strikes). True = pass.
+               engine_dtype: str = "", engine_kind: str = "", version: int | None = None) -> bool:
+        """Apply the policy (tolerance for the batch's engine class; quarantine before strikes). True = pass.
         A miss raises (ingest: the code goes in the ack) or reports through `on_verdict` (train time)."""
-        j = self.policy.judge(signer, stat, engine_dtype) if signer else self.policy.judge(b"?", stat, engine_dtype)
+        with self._lock:
+            trained = self._trained.get(version, True) if version is not None else True
+        j = self.policy.judge(signer or b"?", stat, engine_dtype, engine_kind, trained=trained)
         if j.ok:
             self.stats["passed"] += 1
             self.stats["max_passing_mismatch"] = max(self.stats["max_passing_mismatch"], stat)
@@ -491,6 +509,10 @@ class Auditor:
             groups.append(TrainGroup(list(ids), comps, [[0.0] * len(c) for c in comps], [0.0] * len(comps),
                                      version=-1, temperature=temperature))
         return groups
+
+    def engines_status(self) -> dict[str, dict]:
+        """Per engine class, its tolerance and whether it is still learning (audit_policy.py)."""
+        return self.policy.engines_status()
 
     def status(self) -> dict:
         s = dict(self.stats)

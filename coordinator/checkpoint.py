@@ -372,9 +372,10 @@ def restore(ckpt: Checkpoint, *, learner, board, ingest, journal, run_dir: Path,
             settled += 1
         item = AcceptedBatch(entry.batch_id, entry.client, list(entry.groups), entry.reward_mean, entry.version,
                              entry.received_at, signer=entry.signer, prompt_ids=tuple(entry.prompt_ids),
-                             signer_key=entry.signer_key, engine_dtype=entry.engine_dtype)
+                             signer_key=entry.signer_key, engine_dtype=entry.engine_dtype,
+                             engine_kind=entry.engine_kind)
         if auditor is not None and any(g.audit for g in item.groups):
-            auditor.expect(entry.batch_id, entry.signer_key, entry.engine_dtype)  # the flag is journalled; the audit still happens
+            auditor.expect(entry.batch_id, entry.signer_key, entry.engine_dtype, entry.engine_kind)  # the flag is journalled; the audit still happens
             audits_pending += 1
         ingest.queue.put_nowait(item)
         with ingest.lock:

@@ -79,7 +79,8 @@ class AcceptedBatch:
     signer: str = ""  # the volunteer's key fingerprint (names are self-chosen; --sync counts keys)
     prompt_ids: tuple[str, ...] = ()  # the leased prompts its groups answer (journal replay settles them)
     signer_key: bytes = b""  # the raw key (a journal replay re-registers a pending train-time audit)
-    engine_dtype: str = ""   # what the batch said its engine computed in (the audit's tolerance)
+    engine_dtype: str = ""   # what the batch said its engine computed in (the audit's tolerance) ...
+    engine_kind: str = ""    # ... and which engine (the audit learns a tolerance per kind x dtype)
 
 
 @dataclass
@@ -323,7 +324,7 @@ class Ingest:
             streak = self.access.valid_streak(opened.signer) if self.access is not None else 0
             audit = self.auditor.check(opened.signer, opened.payload_id, batch.adapter_version, groups,
                                        valid_streak=streak, current_version=self.current_version(),
-                                       engine_dtype=batch.engine_dtype)
+                                       engine_dtype=batch.engine_dtype, engine_kind=batch.engine_kind)
         return _Verified(opened, batch, leases, groups, tuple(prompt_ids), unscorable, audit)
 
     def _commit(self, v: _Verified, peer: str) -> messages.Ack:
@@ -334,7 +335,8 @@ class Ingest:
             rewards = [r for g in v.groups for r in g.rewards]
             item = AcceptedBatch(batch_id, v.batch.client_name, v.groups, float(np.mean(rewards)),
                                  v.batch.adapter_version, time.time(), signer=fingerprint(signer),
-                                 prompt_ids=v.prompt_ids, signer_key=signer, engine_dtype=v.batch.engine_dtype)
+                                 prompt_ids=v.prompt_ids, signer_key=signer, engine_dtype=v.batch.engine_dtype,
+                                 engine_kind=v.batch.engine_kind)
             if self.journal is not None:
                 try:
                     self.journal.put(item)  # durable before anything else changes

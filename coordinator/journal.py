@@ -44,7 +44,8 @@ class JournalEntry(msgspec.Struct, frozen=True):
     groups: list[TrainGroup]
     signer: str = ""
     signer_key: bytes = b""  # the raw key: a replayed batch's pending audit can credit or strike it
-    engine_dtype: str = ""   # its engine's dtype (the pending audit's tolerance)
+    engine_dtype: str = ""   # its engine's dtype and kind (the pending audit's tolerance)
+    engine_kind: str = ""
     arrays: list[GroupArrays] = []  # per group, its ids and logprobs (then empty in `groups`); [] = older entry
 
 
@@ -67,7 +68,7 @@ class IngestJournal:
                              groups=[dataclasses.replace(g, completions=[], sampling_logprobs=[]) for g in batch.groups],
                              arrays=[_arrays_of(g) for g in batch.groups],
                              signer=getattr(batch, "signer", ""), signer_key=getattr(batch, "signer_key", b""),
-                             engine_dtype=getattr(batch, "engine_dtype", ""))
+                             engine_dtype=getattr(batch, "engine_dtype", ""), engine_kind=getattr(batch, "engine_kind", ""))
         final = self.path / f"{entry.batch_id.hex()}.entry"
         write_atomic(final, _encoder.encode(entry))  # fsyncs the file and the directory
 

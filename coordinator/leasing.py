@@ -20,7 +20,8 @@ Fair share (`FairShare`, docs/scale.md), so that hundreds of volunteers share th
     that share until their leases expire; with nobody proven yet (a run's start) they share all of it;
   * "active" = asked within `active_window_s`.
 An empty grant carries `retry_after_s`: volunteers that found no room wait in a line (proven first,
-then by when they started waiting); the one at place p is told `idle_retry_s * (1 + p)`, at most
+then by when they started waiting: a proven volunteer joins behind the proven waiters only, however many
+fresh keys wait, so a Sybil crowd cannot push her to the back); the one at place p is told `idle_retry_s * (1 + p)`, at most
 `max_idle_retry_s` (stretched so that the whole line asks at most `max_idle_polls_per_s` times a second).
 The front of the line asks again soon and gets the next free room; the back costs almost nothing.
 
@@ -135,6 +136,7 @@ class FairShare:
         self._lock = threading.Lock()
         self._active: OrderedDict[bytes, float] = OrderedDict()  # key -> last request (oldest first)
         self._waiting: OrderedDict[bytes, float] = OrderedDict()  # key -> last empty grant (first waiter first)
+        self._waiting_proven: set[bytes] = set()  # the proven keys among them (the front of the line)
         self._counted_at = -math.inf
         self.active_proven = self.active_new = 0
         self._places: dict[bytes, int] = {}
@@ -165,6 +167,7 @@ class FairShare:
         with self._lock:
             self.counters["granted"] += 1
             self._waiting.pop(key, None)
+            self._waiting_proven.discard(key)
 
     def idle(self, key: bytes, *, proven: bool) -> float:
         """An empty grant for `key`: put it in the line; how long it should wait before asking again."""
@@ -172,9 +175,13 @@ class FairShare:
         with self._lock:
             now = self._clock()
             self.counters["empty"] += 1
-            if key not in self._waiting:
+            if key not in self._waiting:  # proven keys join behind the proven waiters only, never behind fresh ones
                 self._waiting[key] = now
-                self._places[key] = len(self._waiting) - 1 + (0 if proven else self.active_proven)
+                if proven:
+                    self._waiting_proven.add(key)
+                    self._places[key] = len(self._waiting_proven) - 1
+                else:
+                    self._places[key] = len(self._waiting) - 1 + max(0, self.active_proven - len(self._waiting_proven))
             else:
                 self._waiting[key] = now  # stays at its place: order is by when it started waiting
             place = self._places.get(key, len(self._waiting) - 1)
@@ -194,6 +201,7 @@ class FairShare:
             del self._waiting[key]
         proven = {k for k in self._active if self.proven(k)}
         self.active_proven, self.active_new = len(proven), len(self._active) - len(proven)
+        self._waiting_proven = {k for k in self._waiting if k in proven}
         line = [k for k in self._waiting if k in proven] + [k for k in self._waiting if k not in proven]
         self._places = {k: i for i, k in enumerate(line)}
 

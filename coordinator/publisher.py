@@ -42,11 +42,12 @@ class Published:
 class Publisher:
     def __init__(self, identity: Identity, *, run_id: str, base_model: str, base_revision: str,
                  lora: messages.LoraSpec, keyframe_every: int, chunk_bytes: int, keep: int = 16,
-                 base_weights_sha256: str = "", tokenizer_sha256: str = "", stop_token_ids: tuple[int, ...] = ()):
+                 base_weights_sha256: str = "", tokenizer_sha256: str = "", stop_token_ids: tuple[int, ...] = (),
+                 max_context_tokens: int = 0):
         self.identity = identity
         # The base model pin (models/pinning.py) every manifest carries; volunteers verify it before generating.
         self.pin_fields = dict(base_weights_sha256=base_weights_sha256, tokenizer_sha256=tokenizer_sha256,
-                               stop_token_ids=tuple(stop_token_ids))
+                               stop_token_ids=tuple(stop_token_ids), max_context_tokens=max_context_tokens)
         self.run_id = run_id
         self.base_model = base_model
         self.base_revision = base_revision

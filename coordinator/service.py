@@ -45,29 +45,14 @@ from asyncrl.runlog import METRICS_FILE, RunLog
 from asyncrl.swarm import streams
 from asyncrl.swarm.streams import stream_name
 
+from .base_model import resolve_model
 from .config import CoordinatorConfig
+from .episodes import environment_pin, replay_metrics
 from .leasing import MAX_LEASE_REQUEST_BYTES
 from .reward_log import reward_stats
 
 FINAL_POINTER_WAIT_S = 90.0  # at the run's end the publisher thread may still be storing the last version
-CALIBRATION_PROMPTS = 32  # x min(group_size, 8) honest completions sampled at start-up (coordinator/audit_policy.py)
-CALIBRATION_TOKENS = 64  # longest calibration completion (the statistic is a per-token trimmed mean)
-
-
-def resolve_model(cfg: CoordinatorConfig, *, out=print):
-    """The run's base model pinned to an immutable revision (models/pinning.py): a `ResolvedBase` whose
-    `path` holds exactly the files every manifest pins. On --resume a moving `model_revision` ("main")
-    becomes the commit the checkpoint was trained on, so an upstream push cannot change a run midway."""
-    from asyncrl.models import pinning
-
-    revision = cfg.model_revision
-    if cfg.resume and not pinning.is_commit_sha(revision):
-        from .checkpoint import latest_meta
-
-        meta = latest_meta(Path(cfg.run_dir)) or {}
-        if meta.get("base_model") == cfg.model and pinning.is_commit_sha(meta.get("base_revision", "")):
-            revision = meta["base_revision"]
-    return pinning.resolve(cfg.model, revision, out=out)
+AUDIT_ENGINES_FILE = "audit_engines.json"  # each engine class's learned audit tolerance (coordinator/audit_policy.py)
 
 
 
@@ -148,6 +133,8 @@ class Coordinator:
         threading.Thread(target=call_back_then_push, args=(self.presence_tracker, self.pointer), name="call-back",
                          daemon=True).start()
 
+        from asyncrl.models import pinning
+
         from . import checkpoint
         from .ingest import Ingest
         from .journal import IngestJournal
@@ -157,7 +144,7 @@ class Coordinator:
         self.base = resolve_model(cfg, out=self.out)  # PinError (one line, exit 2) when it cannot be pinned
         path, pin = self.base.path, self.base.pin
         self.base_model, self.base_revision = pin.name, pin.revision
-        hub = not pin.revision.startswith("sha256:")  # pinned to a hub commit (else a local directory)
+        hub = pinning.is_commit_sha(pin.revision)  # a hub commit (else a local directory or a converted GGUF)
         self.out(f"base model {pin.name} pinned at {pin.revision} (tokenizer {pin.tokenizer_sha256[:19]}, "
                  f"stop tokens {list(pin.stop_token_ids)})")
         self.lora = messages.LoraSpec(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
@@ -194,6 +181,7 @@ class Coordinator:
         self.board.standing = self.access.has_accepted  # reports of proven keys weigh more (poison retirement)
         self.node.inbound.trusted = self.access.peer_has_accepted  # their requests may use the whole byte budget
         self.auditor = Auditor.from_config(cfg, self.learner)  # logprob audit; shares the learner's base weights
+        self.auditor.policy.on_event = self._audit_event  # an engine class starts / ends learning its tolerance
         from .receipts import ReceiptDesk
 
         self.receipts = ReceiptDesk(self.identity, cfg.run_id, self.run_dir / "receipts.bin")  # signed proof per ack
@@ -232,7 +220,8 @@ class Coordinator:
                                    base_revision=self.base_revision, lora=self.lora,
                                    keyframe_every=cfg.keyframe_every, chunk_bytes=cfg.chunk_bytes,
                                    base_weights_sha256=pin.weights_sha256, tokenizer_sha256=pin.tokenizer_sha256,
-                                   stop_token_ids=pin.stop_token_ids)
+                                   stop_token_ids=pin.stop_token_ids,
+                                   max_context_tokens=preflight.context_needed(source, cfg.max_new_tokens))
         self.gate = checkpoint.Gate()  # lease/submit handlers vs. a checkpoint snapshot
         self.checkpoints = checkpoint.Checkpointing(
             self.run_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints, gate=self.gate, learner=self.learner,
@@ -248,12 +237,14 @@ class Coordinator:
             self.log.write("resume", **info)
             self.out(f"resumed from {info['checkpoint']} (step {info['from_step']}); publishing v{info['version']}, "
                      f"{info['replayed_batches']} journalled batches re-queued")
-        if cfg.audit and cfg.audit_calibrate:
-            self._calibrate_audit()
+        if cfg.resume:  # engine classes learned before the restart keep their tolerance
+            learned = self.auditor.policy.load_state(read_json(self.run_dir / AUDIT_ENGINES_FILE, {}))
+            if learned:
+                self.out("audit tolerance per engine class (resumed): " + _engines_line(self.auditor.engines_status()))
         from .trust_state import TrustState
 
         self.trust = TrustState(self.run_dir, ingest=self.ingest, access=self.access, auditor=self.auditor,
-                                lease_desk=self.lease_desk,
+                                lease_desk=self.lease_desk, engines_file=AUDIT_ENGINES_FILE,
                                 every_s=cfg.trust_state_every_s, out=self.out)
         self.trust.load()  # replay.bin / access.bin: nonces, batch ids, bans and track records outlive a restart
         if cfg.resume:
@@ -295,26 +286,29 @@ class Coordinator:
         elif event == "volunteers_ready":
             self.out(f"all {fields['needed']} volunteers in; training starts")
 
+    async def _announced_ports(self, peer: str) -> set[int]:
+        """The TCP ports `peer`'s libp2p node announces (its identify addresses in our daemon's peer store): the
+        only ports a NAT dial-back may try besides the one it is seen connecting from (coordinator/handshake.py)."""
+        import re
+
+        for info in await self.node.p2p.list_peers():
+            if info.peer_id.to_base58() == peer:
+                return {int(p) for a in info.addrs for p in re.findall(r"/tcp/(\d+)", str(a))}
+        return set()
+
     def _proven_peer(self, peer: str) -> bool:
         access = getattr(self, "access", None)  # built after the swarm side starts
         return access is not None and access.peer_has_accepted(peer)
 
-    def _calibrate_audit(self) -> None:
-        """Honest-noise calibration of the audit per engine dtype, on the policy the swarm starts with
-        (coordinator/audit_policy.py); prompts from the task itself (a second source, so no prompt is used up)."""
-        from asyncrl.models.lora import export_lora, tensors_from_bytes
-        from asyncrl.tasks.sources import encode_prompt, open_source
-
-        cfg = self.cfg
-        source = open_source(cfg.task, seed=cfg.seed + 1, tokenizer=self.learner.tokenizer, oversized="skip",
-                             **cfg.task_options())  # as the task itself (preflight)
-        prompts = [list(encode_prompt(self.learner.tokenizer, next(source).text)) for _ in range(CALIBRATION_PROMPTS)]
-        specs, blobs = export_lora(self.learner.model, cfg.publish_dtype)
-        status = self.auditor.calibrate(tensors_from_bytes(specs, blobs), prompts, temperature=cfg.temperature,
-                                        max_new_tokens=min(cfg.max_new_tokens, CALIBRATION_TOKENS),
-                                        group_size=min(cfg.group_size, 8), seed=cfg.seed)
-        self.log.write("audit_calibration", tolerances=status["tolerances"], calibration=status["calibration"])
-        self.out("audit tolerance per engine dtype: " + ", ".join(f"{d} {t:.2e}" for d, t in status["tolerances"].items()))
+    def _audit_event(self, event: str, **fields) -> None:
+        """An engine class joined (its tolerance is being learned) or finished learning (audit_policy.py)."""
+        self.log.write(event, **fields)
+        if event == "audit_engine_learning":
+            self.out(f"audit: engine {fields['engine']} joined; learning its tolerance from its first "
+                     f"{fields['needed']} audited batches (meanwhile {fields['ceiling']:.2g} nats/token, no strikes)")
+        elif event == "audit_engine_learned":
+            self.out(f"audit: engine {fields['engine']} learned tolerance {fields['tolerance']:.2e} from "
+                     f"{fields['samples']} batches (0.95 quantile {fields['quantile']:.2e}, worst {fields['worst']:.2e})")
 
     def _serve_handlers(self) -> None:
         cfg, node = self.cfg, self.node
@@ -348,9 +342,16 @@ class Coordinator:
         self.handshake = HandshakeDesk(run_id=cfg.run_id, gate=GatePolicy.from_config(cfg),
                                        window_s=cfg.timestamp_window_s, max_staleness=cfg.max_staleness,
                                        lease_timeout_s=cfg.lease_timeout_s, pointer=lambda: self.pointer.last,
-                                       finished=lambda: self.run_end.finished,
+                                       finished=lambda: self.run_end.finished, announced_ports=self._announced_ports,
+                                       environment=environment_pin(cfg.task),
                                        reward_packages=self.reward_packages, on_refusal=self._refused_at_door)
-        node.serve(streams.INFO, self.handshake.handle, max_request_bytes=MAX_INFO_REQUEST_BYTES, with_addr=True)
+
+        def admit_info(peer: str) -> None:  # banned peers, then the peer's own handshake bucket
+            self.access.check_peer(peer)
+            self.handshake.admit(peer)
+
+        node.serve(streams.INFO, self.handshake.handle, max_request_bytes=MAX_INFO_REQUEST_BYTES, with_addr=True,
+                   admit=admit_info)
         from asyncrl.swarm.serving import AdapterServer, ServeBudget
 
         # manifest + chunk handlers: banned peers refused; keys with accepted batches served first (docs/transport.md)
@@ -426,12 +427,12 @@ class Coordinator:
                            staleness=result.staleness, clip_fraction=result.clip_fraction,
                            ratio_mean=result.ratio_mean, seconds=result.seconds,
                            **{k: v for k, v in result.metrics.items() if k not in ("loss", "clip_fraction", "ratio_mean")},
-                           tokens=result.tokens, clients=sorted({item.client for item in items}),
+                           tokens=result.tokens, clients=sorted({item.client for item in items}), **replay_metrics(),
                            dropped_total=self.board.counts()["dropped"], batch_ids=batch_ids,
                            **reward_stats(trained))  # TRL's rewards/<name>/mean and /std
             self.completion_log.after_step(self.learner.steps, trained)
             if self.learner.steps % cfg.publish_every == 0:
-                self.learner.version += 1
+                self.learner.next_version()
                 self._publish()
             if self.checkpoints.after_step():
                 self.log.write("checkpoint", step=self.learner.steps, version=self.learner.version,
@@ -557,10 +558,17 @@ class Coordinator:
                                             leases=self.board.counts(), queued_groups=queued, identity=identity,
                                             presence=self.presence(), contributors=self.contributors(),
                                             publisher=worker.stats() if worker is not None else None,
-                                            waiting=self.quorum.status(),
+                                            waiting=self.quorum.status(), audit=self._audit_snapshot(),
                                             completions=self.completion_log.latest() if hasattr(self, "completion_log") else [],
                                             reward_errors=self.reward_errors.snapshot(),
                                             handshake_refusals=self.handshake_refusals.snapshot())
+
+    def _audit_snapshot(self) -> dict | None:
+        auditor = getattr(self, "auditor", None)
+        if auditor is None or not auditor.enabled:
+            return None
+        return {"engines": auditor.engines_status(), "base_tolerance": auditor.tolerance,
+                **{k: auditor.stats[k] for k in ("audited", "passed", "failed", "skipped")}}
 
     def shutdown(self) -> None:
         self.stop.set()
@@ -589,6 +597,11 @@ def inbound_limits(cfg: CoordinatorConfig):
                          max_inflight_bytes_per_peer=max(2 * cfg.max_batch_bytes, cfg.inbound_bytes // 8),
                          max_streams_per_peer=cfg.max_streams_per_peer, min_read_bps=cfg.min_upload_bps,
                          workers=cfg.handler_threads, queue=cfg.handler_queue)
+
+
+def _engines_line(engines: dict[str, dict]) -> str:
+    return ", ".join(f"{cls} {e['tolerance']:.2e} ({e['state']}, {e['samples']}/{e['needed']})"
+                     for cls, e in engines.items()) or "none yet"
 
 
 def _saved_peers(path: Path) -> dict[str, list[str]]:

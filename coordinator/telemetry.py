@@ -67,8 +67,9 @@ class Telemetry:
 
     def snapshot_part(self, *, version: int, steps: int, clients: list, leases: dict, queued_groups: int,
                       identity: dict, presence: list[dict] = (), publisher: dict | None = None,
-                      waiting: dict | None = None, contributors: list[dict] = (), completions: list[dict] = (),
-                      reward_errors: dict | None = None, handshake_refusals: dict | None = None) -> dict:
+                      waiting: dict | None = None, contributors: list[dict] = (), audit: dict | None = None,
+                      completions: list[dict] = (), reward_errors: dict | None = None,
+                      handshake_refusals: dict | None = None) -> dict:
         """The read-only status dict (the schema of /api/status). No key material ever enters it."""
         now = time.time()
         stats = self.stats.snapshot()
@@ -93,6 +94,8 @@ class Telemetry:
             "volunteers": rows,
             # name, fingerprint, accepted batches/tokens (receipts), trained groups and share: publishable
             "contributors": list(contributors),
+            # generation audit: per engine class (kind/dtype) "learning" (samples/needed) or "learned", its tolerance
+            "audit": audit,
             "stats": stats,
             # coordinator/reward_log.py: the latest sampled completions with their rewards, and what
             # volunteers' reward functions raised

@@ -37,12 +37,17 @@ def add_trust_arguments(parser: argparse.ArgumentParser, d) -> None:
     g.add_argument("--audit-floor", dest="audit_floor", type=float,
                    help=f"lowest audit probability for trusted keys (default {d.audit_floor}; 1 = audit all)")
     g.add_argument("--audit-tolerance", dest="audit_tolerance", type=float,
-                   help=f"nats/token a completion's logprobs may differ by, fp32 engines; the floor of the "
-                        f"calibrated bf16/fp16 ones (default {d.audit_tolerance})")
+                   help=f"nats/token a completion's logprobs may differ by when its engine is not said; the "
+                        f"floor of every learned engine tolerance (default {d.audit_tolerance})")
     g.add_argument("--no-audit-calibration", dest="audit_calibrate", action="store_const", const=False,
-                   help="do not measure bf16/fp16 engines' tolerance at start-up (they get --audit-tolerance)")
+                   help="do not learn engine classes' tolerances (every class gets --audit-tolerance)")
+    g.add_argument("--audit-learn-batches", dest="audit_learn_batches", type=int,
+                   help=f"audited batches an engine class's tolerance is learned from (default {d.audit_learn_batches})")
+    g.add_argument("--audit-learn-tolerance", dest="audit_learn_tolerance", type=float,
+                   help=f"tolerance while an engine class learns, no strikes; the ceiling of what it learns "
+                        f"(default {d.audit_learn_tolerance})")
     g.add_argument("--audit-margin", dest="audit_margin", type=float,
-                   help=f"calibrated tolerance = margin x worst honest completion (default {d.audit_margin})")
+                   help=f"learned tolerance = margin x the 0.95 quantile of honest batches (default {d.audit_margin})")
     g.add_argument("--audit-quarantine-passes", dest="audit_quarantine_passes", type=int,
                    help=f"audits in a row a key must pass to leave quarantine (default {d.audit_quarantine_passes})")
     g.add_argument("--audit-quarantine-strikes", dest="audit_quarantine_strikes", type=int,

@@ -10,6 +10,8 @@ Every `every_s` seconds (and once more at shutdown) a daemon thread writes, each
   <run_dir>/access.bin   AccessControl.state_bytes(): automatic bans, strikes and track records;
   <run_dir>/lease_replay.bin  LeaseDesk.state_bytes(): the lease requests' nonces (a copy replayed after a
                          restart is refused);
+  <run_dir>/audit_engines.json  each engine class's learned audit tolerance and samples
+                         (coordinator/audit_policy.py), read back by --resume;
   <run_dir>/trust.json   a read-only view for operators and tests: per-key accepted/rejected/strikes,
                          bans, access counters, audit statistics (incl. its cost as a fraction of
                          learner time) and the most recent verdicts (batch id -> code; a refused
@@ -33,7 +35,8 @@ MAX_LISTED = 1000  # keys listed in trust.json (the most recently seen)
 
 class TrustState:
     def __init__(self, run_dir: Path, *, ingest, access=None, auditor=None, lease_desk=None, every_s: float = 2.0,
-                 out=print):
+                 out=print, engines_file: str = "audit_engines.json"):
+        self.engines_file = engines_file
         self.run_dir = Path(run_dir)
         self.ingest, self.access, self.auditor, self.lease_desk = ingest, access, auditor, lease_desk
         self.every_s = every_s
@@ -77,6 +80,8 @@ class TrustState:
                 write_atomic(self.run_dir / "access.bin", self.access.state_bytes())
             if self.lease_desk is not None:
                 write_atomic(self.run_dir / "lease_replay.bin", self.lease_desk.state_bytes())
+            if self.auditor is not None and self.auditor.enabled:
+                write_atomic(self.run_dir / self.engines_file, json.dumps(self.auditor.policy.state()).encode())
             write_atomic(self.run_dir / "trust.json", json.dumps(self.status(), indent=1).encode())
 
     def status(self) -> dict:

@@ -37,7 +37,7 @@ from .errors import ProtocolError, RejectCode
 SCHEMA_VERSION = 2
 """2 (one schema for every change of this release, across the branches that added them; new fields have
 defaults, at the end): LeaseGrant.retry_after_s, .max_batch_bytes and .renewed; LeaseRequest.renew and
-.client_version; TaskLease.columns; AdapterManifest base/tokenizer pins and stop_token_ids; RolloutBatch.engine_dtype;
+.client_version; TaskLease.columns; AdapterManifest base/tokenizer pins, stop_token_ids and max_context_tokens; RolloutBatch.engine_dtype and .engine_kind;
 Ack.receipt; AdapterPointer.finished (run end); length caps on names and ids; swarm.ProvidersRecord.shard and .shards;
 Completion.env_mask (multi-turn episodes: b"" = every token is the model's, so batches without it stay valid)."""
 SHA256_BYTES = 32
@@ -50,6 +50,8 @@ LOGPROB_TOLERANCE = 1e-4
 Dtype = Literal["bf16", "fp16", "fp32"]
 FINISH_REASONS = ("stop", "length")  # Completion.finish_reason; ingest re-derives it (derive_finish_reason)
 EngineDtype = Literal["", "bf16", "fp16", "fp32"]  # "" = not said
+# the engine's name ("transformers", "vllm", ...; "" = not said): an open set, bounded in length and charset
+EngineKind = Annotated[str, msgspec.Meta(max_length=32, pattern=r"^[a-z0-9_.-]*\Z")]
 SeqBytes = Annotated[bytes, msgspec.Meta(max_length=_MAX_SEQ_BYTES)]
 Name = Annotated[str, msgspec.Meta(max_length=limits.MAX_NAME_CHARS)]
 Id = Annotated[str, msgspec.Meta(max_length=limits.MAX_ID_CHARS)]
@@ -171,6 +173,10 @@ class AdapterManifest(_Message):
     base_weights_sha256: str = ""  # "sha256:<hex>" over the model files
     tokenizer_sha256: str = ""     # "sha256:<hex>" over the tokenizer files
     stop_token_ids: Annotated[tuple[int, ...], msgspec.Meta(max_length=limits.MAX_STOP_TOKENS)] = ()
+    # schema 2 — the task's shape: the most tokens (prompt + completion) any sequence of this run needs, i.e.
+    # the longest prompt + max_new_tokens; a volunteer sizes its engine's context to it (never the model's
+    # whole 32k by default) and spends the memory on batch. 0 = not said (multi-turn tasks, built-in toys).
+    max_context_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] = 0
 
 
 class AdapterPointer(_Message):
@@ -250,6 +256,7 @@ class RolloutBatch(_Message):
     groups: Annotated[tuple[RolloutGroup, ...], msgspec.Meta(max_length=limits.MAX_GROUPS_PER_BATCH)]
     generated_at: float
     engine_dtype: EngineDtype = ""  # dtype the engine computed the logprobs in (audit tolerance); schema 2
+    engine_kind: EngineKind = ""  # which engine computed them (audit tolerance per kind x dtype); schema 2
 
 
 class Ack(_Message):
@@ -281,13 +288,15 @@ class Receipt(_Message):
     total_tokens: int
 
 
-def rollout_batch_bytes_bound(*, groups: int, group_size: int, max_new_tokens: int, prompt_tokens: int) -> int:
+def rollout_batch_bytes_bound(*, groups: int, group_size: int, max_new_tokens: int, prompt_tokens: int,
+                              episodes: bool = False) -> int:
     """The most bytes an encoded RolloutBatch of this shape takes: every completion at max_new_tokens,
     every prompt at `prompt_tokens`, ids and names at their longest. Exact per part (each part encoded as
-    it would be sent), plus 4 bytes per array/bin header for the growth of msgpack length headers."""
+    it would be sent), plus 4 bytes per array/bin header for the growth of msgpack length headers.
+    `episodes`: completions are multi-turn transcripts of max_new_tokens tokens carrying an env_mask."""
     name = "x" * 128
     comp = Completion(token_ids=bytes(4 * max_new_tokens), logprobs=bytes(4 * max_new_tokens), reward=-1e300,
-                      finish_reason="length", env_mask=bytes(max_new_tokens))
+                      finish_reason="length", env_mask=bytes(max_new_tokens) if episodes else b"")
     group = RolloutGroup(lease_id=name, prompt_id=name * 2, prompt_token_ids=bytes(4 * prompt_tokens), completions=())
     batch = RolloutBatch(run_id=name, adapter_version=2**62, client_name=name, groups=(), generated_at=0.0,
                          sampling=SamplingParams(temperature=1e300, top_p=1e300, top_k=2**62, max_new_tokens=2**62))

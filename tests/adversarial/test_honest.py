@@ -49,7 +49,7 @@ def bea_batch(mallory, bea, n=2) -> tuple[bytes, bytes]:
 def test_an_honest_bf16_volunteer_is_never_struck(mallory, swarm, bea, attack):
     rec = attack("honest bf16 volunteer", f"not an attack: an honest volunteer whose engine runs the model in bf16 "
                  f"(as GPU engines do) sends {BF16_BATCHES} batches, audited as any new key is (always at first)",
-                 note="tried = her batches; rejected must stay 0 (tolerance calibrated for bf16 at start-up)")
+                 note="tried = her batches; rejected must stay 0 (her engine class learns its own tolerance)")
     ident = bea[0]
     codes, broke = [], 0
     for _ in range(BF16_BATCHES):
@@ -66,7 +66,8 @@ def test_an_honest_bf16_volunteer_is_never_struck(mallory, swarm, bea, attack):
     assert ident.fingerprint not in access["banned"]
     assert access["identities"].get(ident.fingerprint, {}).get("strikes", 0) == 0
     audit = swarm.trust()["audit"]
-    assert audit["policy"]["tolerances"]["bf16"] > audit["tolerance"]  # measured for bf16 engines, not guessed
+    engine = audit["policy"]["engines"]["unknown/bf16"]  # her batches say bf16, no engine kind (an older client)
+    assert engine["samples"] >= 1 and engine["tolerance"] > audit["tolerance"]  # learned from bf16 engines' own batches
 
 
 def oversized_payloads(lease_prefix: str) -> tuple[bytes, bytes]:

@@ -185,10 +185,10 @@ def test_empty_grants_carry_a_retry_after_that_grows_with_the_place_in_line(toke
     worker = Identity.generate()
     assert grant(desk, request(worker, coordinator, 4)).retry_after_s == 0.0  # work: no wait
     line = [Identity.generate() for _ in range(5)]
-    access.record_accepted(line[3].public_key)  # a record: goes to the front once re-counted
+    access.record_accepted(line[3].public_key)  # a record: to the front of the line at once
     retries = [grant(desk, request(k, coordinator, 4)) for k in line]
     assert all(g.leases == () for g in retries)
-    assert [g.retry_after_s for g in retries] == [2.0, 4.0, 6.0, 8.0, 10.0]  # idle_retry_s x (1 + place)
+    assert [g.retry_after_s for g in retries] == [2.0, 4.0, 6.0, 2.0, 10.0]  # idle_retry_s x (1 + place)
     clock.t += 2
     again = {i: grant(desk, request(line[i], coordinator, 4)).retry_after_s for i in (3, 0, 4)}
     assert again == {3: 2.0, 0: 4.0, 4: 10.0}  # the volunteer with a record first, the others keep their order
@@ -275,3 +275,26 @@ def test_copies_of_a_lease_request_never_put_leases_on_its_key_before_or_after_a
             restarted.handle(sealed, peer=peer)
         assert exc.value.code is RejectCode.NONCE_REUSED
     assert board2.counts()["leased"] == 0
+
+
+def test_a_proven_volunteer_is_never_put_behind_a_crowd_of_fresh_waiters(tokenizer):
+    """23 fresh keys wait for room; alice (accepted batches) finds none either, again and again (each grant
+    takes her out of the line): each time she is told to come back after idle_retry_s, not after the crowd."""
+    clock = Clock()
+    desk, coordinator, board, access = fair_desk(tokenizer, inflight=4, per_lease=4, clock=clock)
+    alice = Identity.generate()
+    access.record_accepted(alice.public_key)
+    grant(desk, request(Identity.generate(), coordinator, 4))  # the room is taken
+    crowd = [Identity.generate() for _ in range(23)]
+    waits = []
+    for round_ in range(4):
+        for k in crowd:
+            grant(desk, request(k, coordinator, 4))
+        waits.append(grant(desk, request(alice, coordinator, 4)).retry_after_s)
+        desk.fair.granted(alice.public_key)  # she got work meanwhile: out of the line, joins anew next time
+        clock.t += 0.3 * (round_ + 1)  # before and after the desk re-counts
+    assert waits == [desk.policy.idle_retry_s] * 4, waits
+    grant(desk, request(alice, coordinator, 4))  # waiting now
+    clock.t += 2  # re-counted
+    crowd_waits = [grant(desk, request(k, coordinator, 4)).retry_after_s for k in crowd]
+    assert min(crowd_waits) > desk.policy.idle_retry_s  # the fresh keys are behind her

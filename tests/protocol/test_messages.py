@@ -425,3 +425,7 @@ def test_schema_2_fields_default_and_round_trip():
     assert got.max_batch_bytes == 1 << 20
     assert decode_rollout_batch(encode(batch(engine_dtype="bf16")), max_bytes=BIG).engine_dtype == "bf16"
     assert code_of(decode_rollout_batch, encode(batch(engine_dtype="int4")), max_bytes=BIG) is RejectCode.MALFORMED
+    assert batch().engine_kind == ""  # an older client says no kind: still accepted
+    assert decode_rollout_batch(encode(batch(engine_kind="vllm")), max_bytes=BIG).engine_kind == "vllm"
+    for bad in ("VLLM", "v" * 33, "vllm\n", "vllm/bf16"):  # the coordinator's keys stay short and plain
+        assert code_of(decode_rollout_batch, encode(batch(engine_kind=bad)), max_bytes=BIG) is RejectCode.MALFORMED
