@@ -200,17 +200,16 @@ def vllm_too_old() -> str | None:
     return None
 
 
-def capped_memory_utilization(utilization: float, max_gpu_memory_gb: float, *, out=print) -> float:
-    """`--max-gpu-memory-gb`: the GPU memory fraction the engine may take, at most that many GiB of device 0
-    (vLLM reserves `gpu_memory_utilization` of the card; transformers is capped with torch's per-process
-    fraction). No CUDA: nothing to cap."""
+def cap_transformers_memory(utilization: float, max_gpu_memory_gb: float, *, out=print) -> None:
+    """`--max-gpu-memory-gb` for the transformers engine, which runs in this process: torch's per-process
+    fraction of device 0. (vLLM gets the same cap as its own `gpu_memory_utilization`, computed from NVML in
+    VLLMEngine, so no CUDA context is created in this process before vLLM starts its engine.)"""
     if max_gpu_memory_gb <= 0 or not torch.cuda.is_available():
-        return utilization
+        return
     total = torch.cuda.get_device_properties(0).total_memory
     capped = min(utilization, max_gpu_memory_gb * (1 << 30) / total)
     torch.cuda.set_per_process_memory_fraction(capped, 0)
     out(f"engine: at most {capped * total / (1 << 30):.1f} GiB of GPU memory ({capped:.2f} of the card)")
-    return capped
 
 
 def cpu_has_bf16_units() -> bool:
@@ -242,7 +241,7 @@ def choose_engine(kind: str) -> tuple[str, torch.dtype | None, str]:
 
 def make_engine(kind: str, model: str, lora: LoraSpec, *, gpu_memory_utilization: float = 0.85, seed: int = 0,
                 max_staleness: int = 4, max_model_len: int | None = None, stop_token_ids: Sequence[int] | None = None,
-                out=print) -> Engine:
+                max_gpu_memory_gb: float = 0.0, out=print) -> Engine:
     """`auto` → vLLM when CUDA and vllm are present, else transformers in the dtype fastest here
     (`choose_engine`); prints what it chose and why."""
     if kind not in ("auto", "vllm", "transformers"):
@@ -261,8 +260,10 @@ def make_engine(kind: str, model: str, lora: LoraSpec, *, gpu_memory_utilization
             from .engine_vllm import VLLMEngine
 
             return VLLMEngine(model, lora, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
-                              max_staleness=max_staleness, max_model_len=max_model_len, stop_token_ids=stop_token_ids)
+                              max_staleness=max_staleness, max_model_len=max_model_len, stop_token_ids=stop_token_ids,
+                              max_gpu_memory_gb=max_gpu_memory_gb)
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        cap_transformers_memory(gpu_memory_utilization, max_gpu_memory_gb, out=out)
         return TransformersEngine(model, lora, device=device, dtype=dtype, seed=seed, max_model_len=max_model_len,
                                   stop_token_ids=stop_token_ids)
     except torch.cuda.OutOfMemoryError as exc:

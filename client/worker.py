@@ -392,13 +392,11 @@ class Volunteer:
             raise BaseModelMismatch(exc.code.value, exc.detail) from None
         if not self.cfg.quiet:
             self.out(f"base model {pin.name} at {pin.short()} verified ({base.path})")
-        from .engine import capped_memory_utilization
-
-        utilization = capped_memory_utilization(self.cfg.gpu_memory_utilization, self.cfg.max_gpu_memory_gb, out=self.out)
         # the task's longest sequence (manifest), not the model's whole context: that memory goes to batch
         context = self.cfg.max_model_len or manifest.max_context_tokens or None
         self.engine = make_engine(self.cfg.engine, base.path, manifest.lora, seed=self.cfg.seed,
-                                  gpu_memory_utilization=utilization,
+                                  gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+                                  max_gpu_memory_gb=self.cfg.max_gpu_memory_gb,  # the engine's own budget
                                   max_model_len=context, stop_token_ids=pin.stop_token_ids,
                                   out=self.out)
         self.out(engine_sizing(self.engine, manifest, capped_by_user=bool(self.cfg.max_model_len)))
