@@ -70,6 +70,22 @@ def versions(tiny):
     return out
 
 
+class StopAfterPolls:
+    """AdapterSync stand-in: `current` loaded, nothing newer; the engine loop polls once per round, and the
+    volunteer is stopped at the `rounds`-th poll."""
+
+    finished = False
+
+    def __init__(self, vol, current, rounds: int):
+        self.vol, self.current, self.rounds, self.polls = vol, current, rounds, 0
+
+    def poll(self):
+        self.polls += 1
+        if self.polls >= self.rounds:
+            self.vol.stop.set()
+        return None
+
+
 def volunteer_with(engine, tmp_path):
     desk = VolunteerDesk(per_lease=1)
     vol = pipelined_volunteer(tmp_path, desk)
@@ -91,16 +107,7 @@ def test_an_engine_that_drops_the_lora_never_generates_with_that_version_and_say
     warning = [m for k, m in said if k == "warning" and "canary" in m]
     assert len(warning) == 1 and "did not reach the engine" in warning[0] and "--engine transformers" in warning[0]
 
-    class StopAfterPolls:  # the engine loop polls once per round: stop after a few, with nothing newer
-        current, finished, polls = versions[1], False, 0
-
-        def poll(self):
-            self.polls += 1
-            if self.polls >= 3:
-                vol.stop.set()
-            return None
-
-    vol.sync = StopAfterPolls()
+    vol.sync = StopAfterPolls(vol, versions[1], rounds=3)
     vol.run()
     assert desk.granted == [] and desk.delivered == set(), "no lease asked for and no batch sent for a refused version"
     assert vol.status.state == "refused"
@@ -116,16 +123,7 @@ def test_an_engine_that_loads_the_adapter_passes_on_every_version(tiny, versions
     told_apart = [make_apart(v) for v in versions]
     assert told_apart == [False, True, True], "the test's v1 and v2 differ from the base model on the probe"
 
-    class StopAfterPolls:  # the engine loop polls once per round: a round or two of work, then stop
-        current, finished, polls = versions[2], False, 0
-
-        def poll(self):
-            self.polls += 1
-            if self.polls >= 2:
-                vol.stop.set()
-            return None
-
-    vol.sync = StopAfterPolls()
+    vol.sync = StopAfterPolls(vol, versions[2], rounds=2)
     vol.run()  # the passed canary goes with the first lease request
     assert [r.version for r in desk.canaries] == [2] and desk.canaries[0].passed and desk.delivered
 
