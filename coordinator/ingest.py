@@ -153,6 +153,12 @@ class Ingest:
         with self.lock:
             self._client(signer, name)
 
+    def note_canary(self, signer: bytes, report: messages.CanaryReport) -> None:
+        """A volunteer's canary result for the version it loaded (the swarm table shows the last one). A failed
+        canary is its engine's problem, not cheating: it is recorded and shown, never struck."""
+        with self.lock:
+            self._client(signer).note_canary(report)
+
     def queued(self) -> int:
         """Groups accepted and not yet taken by the learner."""
         with self.lock:

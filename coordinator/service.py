@@ -45,27 +45,13 @@ from asyncrl.runlog import METRICS_FILE, RunLog
 from asyncrl.swarm import streams
 from asyncrl.swarm.streams import stream_name
 
+from .base_model import resolve_model
 from .config import CoordinatorConfig
+from .episodes import environment_pin, replay_metrics
 from .leasing import MAX_LEASE_REQUEST_BYTES
 
 FINAL_POINTER_WAIT_S = 90.0  # at the run's end the publisher thread may still be storing the last version
 AUDIT_ENGINES_FILE = "audit_engines.json"  # each engine class's learned audit tolerance (coordinator/audit_policy.py)
-
-
-def resolve_model(cfg: CoordinatorConfig, *, out=print):
-    """The run's base model pinned to an immutable revision (models/pinning.py): a `ResolvedBase` whose
-    `path` holds exactly the files every manifest pins. On --resume a moving `model_revision` ("main")
-    becomes the commit the checkpoint was trained on, so an upstream push cannot change a run midway."""
-    from asyncrl.models import pinning
-
-    revision = cfg.model_revision
-    if cfg.resume and not pinning.is_commit_sha(revision):
-        from .checkpoint import latest_meta
-
-        meta = latest_meta(Path(cfg.run_dir)) or {}
-        if meta.get("base_model") == cfg.model and pinning.is_commit_sha(meta.get("base_revision", "")):
-            revision = meta["base_revision"]
-    return pinning.resolve(cfg.model, revision, out=out)
 
 
 class Coordinator:
@@ -127,6 +113,8 @@ class Coordinator:
         threading.Thread(target=call_back_then_push, args=(self.presence_tracker, self.pointer), name="call-back",
                          daemon=True).start()
 
+        from asyncrl.models import pinning
+
         from . import checkpoint
         from .ingest import Ingest
         from .journal import IngestJournal
@@ -136,7 +124,7 @@ class Coordinator:
         self.base = resolve_model(cfg, out=self.out)  # PinError (one line, exit 2) when it cannot be pinned
         path, pin = self.base.path, self.base.pin
         self.base_model, self.base_revision = pin.name, pin.revision
-        hub = not pin.revision.startswith("sha256:")  # pinned to a hub commit (else a local directory)
+        hub = pinning.is_commit_sha(pin.revision)  # a hub commit (else a local directory or a converted GGUF)
         self.out(f"base model {pin.name} pinned at {pin.revision} (tokenizer {pin.tokenizer_sha256[:19]}, "
                  f"stop tokens {list(pin.stop_token_ids)})")
         self.lora = messages.LoraSpec(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
@@ -203,7 +191,8 @@ class Coordinator:
                                    base_revision=self.base_revision, lora=self.lora,
                                    keyframe_every=cfg.keyframe_every, chunk_bytes=cfg.chunk_bytes,
                                    base_weights_sha256=pin.weights_sha256, tokenizer_sha256=pin.tokenizer_sha256,
-                                   stop_token_ids=pin.stop_token_ids)
+                                   stop_token_ids=pin.stop_token_ids,
+                                   max_context_tokens=preflight.context_needed(source, cfg.max_new_tokens))
         self.gate = checkpoint.Gate()  # lease/submit handlers vs. a checkpoint snapshot
         self.checkpoints = checkpoint.Checkpointing(
             self.run_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints, gate=self.gate, learner=self.learner,
@@ -268,6 +257,16 @@ class Coordinator:
         elif event == "volunteers_ready":
             self.out(f"all {fields['needed']} volunteers in; training starts")
 
+    async def _announced_ports(self, peer: str) -> set[int]:
+        """The TCP ports `peer`'s libp2p node announces (its identify addresses in our daemon's peer store): the
+        only ports a NAT dial-back may try besides the one it is seen connecting from (coordinator/handshake.py)."""
+        import re
+
+        for info in await self.node.p2p.list_peers():
+            if info.peer_id.to_base58() == peer:
+                return {int(p) for a in info.addrs for p in re.findall(r"/tcp/(\d+)", str(a))}
+        return set()
+
     def _proven_peer(self, peer: str) -> bool:
         access = getattr(self, "access", None)  # built after the swarm side starts
         return access is not None and access.peer_has_accepted(peer)
@@ -314,8 +313,15 @@ class Coordinator:
         self.handshake = HandshakeDesk(run_id=cfg.run_id, gate=GatePolicy.from_config(cfg),
                                        window_s=cfg.timestamp_window_s, max_staleness=cfg.max_staleness,
                                        lease_timeout_s=cfg.lease_timeout_s, pointer=lambda: self.pointer.last,
-                                       finished=lambda: self.run_end.finished)
-        node.serve(streams.INFO, self.handshake.handle, max_request_bytes=MAX_INFO_REQUEST_BYTES, with_addr=True)
+                                       finished=lambda: self.run_end.finished, announced_ports=self._announced_ports,
+                                       environment=environment_pin(cfg.task))
+
+        def admit_info(peer: str) -> None:  # banned peers, then the peer's own handshake bucket
+            self.access.check_peer(peer)
+            self.handshake.admit(peer)
+
+        node.serve(streams.INFO, self.handshake.handle, max_request_bytes=MAX_INFO_REQUEST_BYTES, with_addr=True,
+                   admit=admit_info)
         from asyncrl.swarm.serving import AdapterServer, ServeBudget
 
         # manifest + chunk handlers: banned peers refused; keys with accepted batches served first (docs/transport.md)
@@ -390,10 +396,10 @@ class Coordinator:
                            staleness=result.staleness, clip_fraction=result.clip_fraction,
                            ratio_mean=result.ratio_mean, seconds=result.seconds,
                            **{k: v for k, v in result.metrics.items() if k not in ("loss", "clip_fraction", "ratio_mean")},
-                           tokens=result.tokens, clients=sorted({item.client for item in items}),
+                           tokens=result.tokens, clients=sorted({item.client for item in items}), **replay_metrics(),
                            dropped_total=self.board.counts()["dropped"], batch_ids=batch_ids)
             if self.learner.steps % cfg.publish_every == 0:
-                self.learner.version += 1
+                self.learner.next_version()
                 self._publish()
             if self.checkpoints.after_step():
                 self.log.write("checkpoint", step=self.learner.steps, version=self.learner.version,

@@ -7,6 +7,8 @@
                 `CompletionScorer`, shared by the learner, the KL reference pass and the audit
   pinning.py    the base model pinned to an immutable revision (hub commit / content hash), tokenizer and
                 stop-set hashes; the volunteer's verification and its PinCodes
+  gguf.py       GGUF files as a base (`--model PATH.gguf`, `smollm2-135m-instruct`): converted once to a
+                Hugging Face directory cached by the GGUF's sha256, pinned by that hash plus the conversion's
   tinymodel.py  the built-in tiny Qwen2-style model, written as an ordinary HF directory (tests, demo);
                 `instruct=True` gives it Qwen2.5-Instruct's two stop tokens and a ChatML template
 

@@ -7,8 +7,8 @@ adapter manifest; a volunteer loads exactly those files and refuses, with a `Pin
 generates anything — never a strike, nothing sent.
 
     revision          immutable: the hub commit sha (`model_revision`, a branch/tag/sha, resolved with
-                      huggingface_hub), or "sha256:<hex>" for a local directory (a content hash of its
-                      model and tokenizer files)
+                      huggingface_hub), "sha256:<hex>" for a local directory (a content hash of its
+                      model and tokenizer files), or "gguf-sha256:<hex>" for a GGUF (the file's sha256)
     weights_sha256    content hash of the model files: *.safetensors (+ index), config.json,
                       generation_config.json
     tokenizer_sha256  content hash of the tokenizer files (tokenizer.json, tokenizer_config.json, ...)
@@ -26,6 +26,9 @@ Where the files come from (`resolve` on the coordinator, `locate` on a volunteer
   "tiny"            the built-in model, written to the local cache (models/tinymodel.py)
   a local directory that directory; a volunteer passes its own copy with `--model DIR`
   a hub id          `snapshot_download(id, revision=sha)` — online, or from the HF cache when offline
+  a GGUF            `PATH.gguf`, a directory holding one, or a named offline model (`smollm2-135m-instruct`):
+                    converted once to a cached Hugging Face directory; revision "gguf-sha256:<the GGUF's
+                    hash>", weights and tokenizer hashes of the conversion (models/gguf.py)
 
 Error codes (`PinCode`; tests assert on them, people read the message):
   REVISION_MISMATCH     the model files differ from the pinned ones
@@ -215,11 +218,14 @@ def _hub_snapshot(repo_id: str, revision: str, *, out=None) -> tuple[str, str]:
 def resolve(model: str, revision: str = "main", *, out=None) -> ResolvedBase:
     """Pin the coordinator's base model. `revision` applies to hub ids; for a local directory it may be
     its "sha256:..." revision (checked) or a moving name ("main", "") that is ignored."""
-    from . import tinymodel
+    from . import gguf, tinymodel
 
     if model in ("tiny", tinymodel.TINY_MODEL_NAME):
         path = tinymodel.write_tiny_model(tinymodel.default_tiny_model_dir())
         return _local(path, tinymodel.TINY_MODEL_NAME, revision)
+    source = gguf.gguf_source(model)
+    if source is not None:
+        return gguf.resolve_gguf(model, source, revision, out=out)
     if Path(model).is_dir():
         return _local(Path(model), model, revision)
     if model.startswith((".", "/", "~")) or model.count("/") > 1:
@@ -240,11 +246,13 @@ def locate(pin: BasePin, *, override: str | None = None) -> ResolvedBase:
     """The local directory holding `pin`'s files, verified. `override`: the volunteer's `--model DIR`.
 
     Raises PinError before any engine starts; the message says what differs and what to do."""
-    from . import tinymodel
+    from . import gguf, tinymodel
 
     if not pin.revision or not pin.weights_sha256 or not pin.tokenizer_sha256 or not pin.stop_token_ids:
         raise PinError(PinCode.NOT_PINNED, f"the coordinator's manifest does not pin its base model {pin.name!r} "
                                            "(revision, weights, tokenizer and stop tokens); refusing to guess")
+    if pin.revision.startswith(gguf.GGUF_REVISION_PREFIX):
+        return gguf.locate_gguf(pin, override=override)
     if override:
         path, where = Path(override).expanduser(), f"--model {override}"
         if not path.is_dir():

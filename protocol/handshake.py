@@ -70,6 +70,9 @@ class CoordinatorInfo(msgspec.Struct, frozen=True, kw_only=True):
     reachable_ports: Annotated[tuple[int, ...], msgspec.Meta(max_length=MAX_DIAL_BACK_PORTS)] = ()
     max_staleness: int = -1  # versions; -1 = unlimited
     lease_timeout_s: float = 0.0
+    # the run's environment pin, JSON {"name", "package", "version", "sha256"} (envs/base.py `pin`); "" = the
+    # run has single-answer tasks. A volunteer without the same environment does not start (client/checks.py).
+    environment: Annotated[str, msgspec.Meta(max_length=1024)] = ""
 
 
 _info_encoder = msgspec.msgpack.Encoder()

@@ -19,6 +19,13 @@ average) and a request gets MARGIN x the expected time, within [MIN_PEER_TIMEOUT
 a peer never heard from gets FIRST_CONTACT_TIMEOUT_S. So a tarpit costs seconds, not a minute. The
 coordinator is the source of truth behind a possibly slow uplink: COORDINATOR_TIMEOUT_S.
 
+Seeders are kept on measured service: an honest seeder holds a long poll until the chunk arrives (or
+`wait_s` passes), so one that answers "not yet" in less than half the wait is not serving. Each such quick
+refusal backs that seeder off (POLL_BACKOFF_S, doubling to MAX_POLL_BACKOFF_S, for every chunk it was
+asked for: the count is per peer), and QUICK_REFUSALS_TO_DEMOTE of them in a row demote it (skipped for
+UNREACHABLE_S; the chunk goes to the coordinator) — a fetcher never spins on a seeder that refuses at once.
+A tarpit costs one peer timeout per request in flight, then the peer is skipped.
+
 A chunk that fails its sha256 against the signed manifest bans its provider (BAN_S) and is asked of
 the next candidate; a provider that vanishes or times out is skipped (UNREACHABLE_S). Candidates are
 re-planned (fresh providers record) and retried with backoff until `fetch_timeout_s`. If the
@@ -60,6 +67,10 @@ COORDINATOR_TIMEOUT_S = 30.0
 SEEDER_PATIENCE_S = 20.0
 """How long a fetcher keeps long-polling a seeder that answers "not yet" before asking the coordinator."""
 EWMA = 0.3
+QUICK_REFUSALS_TO_DEMOTE = 6
+"""Quick "not yet" answers in a row (all chunks together) after which a seeder is skipped for UNREACHABLE_S."""
+POLL_BACKOFF_S, MAX_POLL_BACKOFF_S = 0.25, 4.0
+"""Wait before long-polling a seeder again after a quick "not yet": doubles with each one in a row."""
 
 
 class PeerClock:
@@ -94,6 +105,8 @@ class FetchStats:
     manifests_from_coordinator: int = 0
     hash_mismatches: int = 0
     refusals: int = 0
+    quick_refusals: int = 0  # a long poll answered "not yet" in less than half its wait
+    seeders_demoted: int = 0  # ...QUICK_REFUSALS_TO_DEMOTE times in a row: skipped for UNREACHABLE_S
     failures: int = 0
     timeouts: int = 0
     bytes_by_provider: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -139,6 +152,7 @@ class SwarmFetcher:
         self.clock = PeerClock(coordinator_peer_id)
         self.stats = FetchStats()
         self._avoid: dict[str, float] = {}  # peer -> monotonic time until which it is skipped
+        self._quick: dict[str, int] = {}  # peer -> quick "not yet" answers in a row (measured service)
         self._spread = int.from_bytes(hashlib.sha256(self.me.encode()).digest()[:4], "big")
 
     # ---- provider choice ----------------------------------------------------------------------
@@ -239,11 +253,17 @@ class SwarmFetcher:
                     slots = coordinator_slots if peer == self.coordinator else peer_slots
                     patience = time.monotonic() + (SEEDER_PATIENCE_S if wait_s > 0 else 0.0)
                     while True:
+                        asked = time.monotonic()
                         async with slots:
                             data, outcome = await self._chunk(peer, manifest, i, wait_s)
                         # a seeder that says "not yet" is polled again: its copy is on the way
                         if outcome != "refused" or wait_s == 0 or time.monotonic() > patience or not self._usable(peer):
                             break
+                        if time.monotonic() - asked < wait_s / 2:  # it did not hold the poll: not serving
+                            backoff = self._quick_refusal(peer)
+                            if backoff is None:
+                                break  # demoted: on to the next candidate
+                            await asyncio.sleep(backoff)
                     if data is not None:
                         results[i] = data
                         self.store.put_chunk(version, i, data, manifest_bytes=manifest_bytes)
@@ -299,10 +319,23 @@ class SwarmFetcher:
             self.stats.chunks_from_coordinator += 1
             self.stats.bytes_from_coordinator += len(data)
         else:
+            self._quick.pop(peer, None)  # it serves
             self.stats.chunks_from_peers += 1
             self.stats.bytes_from_peers += len(data)
         self.stats.bytes_by_provider[peer] += len(data)
         return data, "ok"
+
+    def _quick_refusal(self, peer: str) -> float | None:
+        """Count a quick "not yet" from `peer`: seconds to wait before polling it again, or None once it is
+        demoted (skipped for UNREACHABLE_S)."""
+        self.stats.quick_refusals += 1
+        n = self._quick[peer] = self._quick.get(peer, 0) + 1
+        if n >= QUICK_REFUSALS_TO_DEMOTE:
+            self._quick.pop(peer, None)
+            self.stats.seeders_demoted += 1
+            self._skip(peer, UNREACHABLE_S)
+            return None
+        return min(MAX_POLL_BACKOFF_S, POLL_BACKOFF_S * 2 ** (n - 1))
 
     def _failed(self, peer: str, exc: BaseException) -> None:
         self.stats.failures += 1  # vanished, unreachable or timed out

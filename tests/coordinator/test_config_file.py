@@ -127,6 +127,22 @@ def test_defaults_are_for_a_real_model_and_tiny_gets_its_toy_preset():
     assert resolve_config({"model": "/data/my-model"}).max_new_tokens == CoordinatorConfig.max_new_tokens
 
 
+def test_the_named_smollm2_brings_its_cpu_sized_preset():
+    from asyncrl.coordinator.config import SMOLLM2_PRESET
+
+    small = resolve_config({}, cli("--model", "smollm2-135m-instruct"))
+    top = {k: v for k, v in SMOLLM2_PRESET.items() if k != "loss"}
+    assert {k: getattr(small, k) for k in top} == top
+    assert {k: getattr(small.loss, k) for k in SMOLLM2_PRESET["loss"]} == SMOLLM2_PRESET["loss"]
+    assert small.loss.max_completion_length == SMOLLM2_PRESET["max_new_tokens"]
+    assert small.dtype == "auto"  # fp32 on a CPU, bf16 on a GPU (models/lora.py resolve_placement)
+    # explicit values win, a [loss] table key by key: the preset's other loss settings stay
+    mixed = resolve_config({"model": "smollm2-135m-instruct", "loss": {"mask_truncated": False}}, cli("--lr", "1e-3"))
+    assert mixed.lr == 1e-3 and mixed.loss.mask_truncated is False
+    assert mixed.loss.loss_type == SMOLLM2_PRESET["loss"]["loss_type"]
+    assert resolve_config({"model": "/data/smollm2.gguf"}).max_new_tokens == CoordinatorConfig.max_new_tokens
+
+
 PRESETS = sorted((REPO / "configs").glob("qwen2.5-*.toml"))
 
 

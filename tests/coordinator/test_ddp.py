@@ -48,3 +48,25 @@ def test_two_gloo_processes_match_one(procs, tmp_path, one_process, parallel):
         assert diff <= 1e-3, (loss_type, diff)  # see ddp_check --atol: AdamW amplifies ~1e-9 gradients
     assert subprocess.run([sys.executable, "-m", "asyncrl.coordinator.ddp_check", "--compare", str(one_process),
                            str(two)], capture_output=True).returncode == 0
+
+
+def test_collectives_run_on_the_learner_device_and_survive_an_idle_rank_0(procs, tmp_path):
+    """`ddp_check --device cpu` under gloo: every collective rank 0 issued went through `Collectives` on the
+    learner's own device (under NCCL, a CPU tensor would fail at the first collective), and followers waiting
+    in their first step's broadcast outlive a rank 0 idle for twice the collective timeout: the heartbeat."""
+    import json
+
+    out = tmp_path / "idle.safetensors"
+    run = procs.start("torchrun", ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                                   "-m", "asyncrl.coordinator.ddp_check", "--steps", "2", "--groups-per-step", "4",
+                                   "--loss-types", "grpo", "--micro-batch-tokens", "64", "--device", "cpu",
+                                   "--timeout-s", "4", "--idle-s", "8", "--out", str(out)])
+    assert run.wait(300) == 0, run.log_path.read_text()[-3000:]
+    report = json.loads((tmp_path / "idle.safetensors.collectives.json").read_text())
+    assert report["world_size"] == 2
+    (learner,) = report["learners"]
+    assert learner["learner_device"] == learner["device"] == "cpu"
+    ops = {key.split("@")[0] for key in learner["calls"]}
+    assert {"broadcast", "all_reduce"} <= ops
+    assert all(key.split("@")[1] == learner["learner_device"] for key in learner["calls"])
+    assert learner["calls"]["broadcast@cpu"] >= 2 * 2 + 2  # two steps' header + payload, and heartbeats

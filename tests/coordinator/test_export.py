@@ -41,45 +41,9 @@ class RecordingUploader:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A run directory with one real checkpoint of a non-trivial adapter (random B, one optimizer step)."""
-    import dataclasses
+    from .trained import trained_run
 
-    import torch
-
-    from asyncrl import tasks
-    from asyncrl.coordinator import checkpoint
-    from asyncrl.coordinator.ingest import Ingest
-    from asyncrl.coordinator.learner import Learner, TrainGroup
-    from asyncrl.coordinator.loss import LossConfig
-    from asyncrl.coordinator.taskboard import TaskBoard
-    from asyncrl.models import pinning
-    from asyncrl.models.tinymodel import write_tiny_model
-    from asyncrl.protocol.messages import LoraSpec
-
-    root = tmp_path_factory.mktemp("export")
-    model_dir = write_tiny_model(root / "tiny")
-    spec = LoraSpec(**LORA)
-    learner = Learner(str(model_dir), spec, lr=1e-2, loss=LossConfig(), max_staleness=None, seed=1)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in learner.model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
-    tok = learner.tokenizer
-    comps = [tok("a" * n)["input_ids"] for n in (3, 5, 7)]
-    learner.step([TrainGroup(tok("rep:a=")["input_ids"], comps, [[-1.0] * len(c) for c in comps], [0.0, 0.5, 1.0], 0)])
-    learner.version = 3
-    board = TaskBoard(tasks.get_task("repeat", 0), lease_timeout_s=60, max_leases_per_client=8)
-    ingest = Ingest(identity_public_key=bytes(32), run_id="r", board=board, tokenizer=tok, vocab_size=64,
-                    current_version=lambda: 3, max_batch_bytes=1 << 20, window_s=300)
-    pin = pinning.pin_directory(model_dir, name=str(model_dir))
-    run = root / "run"
-    checkpoint.save(checkpoint.Checkpointer(run / "checkpoints"), gate=checkpoint.Gate(), learner=learner,
-                    board=board, ingest=ingest,
-                    identity=checkpoint.identity_meta(run_id="r", base_model=pin.name, base_revision=pin.revision,
-                                                      lora=spec),
-                    export=checkpoint.AdapterExport(lora=spec, base_model=str(model_dir), revision=None,
-                                                    pin=dataclasses.asdict(pin)))
-    return {"run": run, "model": str(model_dir), "learner": learner, "spec": spec}
+    return trained_run(tmp_path_factory.mktemp("export"), LORA)
 
 
 @pytest.fixture(scope="module")
@@ -247,3 +211,50 @@ def _vllm_driver(request_path: str, result_path: str) -> None:
 
 if __name__ == "__main__":
     _vllm_driver(*sys.argv[1:3])
+
+
+def test_merge_keeps_a_bf16_base_in_bf16_with_the_bits_of_an_fp32_merge(tmp_path):
+    """`merge_adapter` merges in the base's own dtype (no fp32 copy of the base): a bf16 base stays bf16, and
+    every merged weight has exactly the bits of merging in fp32 and casting to bf16."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.coordinator.export import merge_adapter
+    from asyncrl.models.lora import peft_config, standard_adapter_names, with_lora
+    from asyncrl.models.tinymodel import write_tiny_model
+    from asyncrl.protocol.messages import LoraSpec
+
+    tiny = write_tiny_model(tmp_path / "tiny")
+    bf16_dir = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(str(tiny), dtype=torch.bfloat16).save_pretrained(bf16_dir)
+    for f in tiny.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "generation_config.json"):
+            (bf16_dir / f.name).write_bytes(f.read_bytes())
+    spec = LoraSpec(**LORA)
+    peft_model = with_lora(AutoModelForCausalLM.from_pretrained(str(tiny)), spec, seed=3)
+    gen = torch.Generator().manual_seed(0)
+    for name, p in peft_model.named_parameters():
+        if "lora_B" in name:  # a trained-looking adapter: B is zero at init
+            p.data = torch.randn(p.shape, generator=gen) * 0.05
+    from peft import get_peft_model_state_dict
+
+    tensors = standard_adapter_names(get_peft_model_state_dict(peft_model))
+    cfg = {k: (sorted(v) if isinstance(v, set) else v) for k, v in peft_config(spec).to_dict().items()}
+
+    merged = merge_adapter(bf16_dir, cfg, tensors, device="cpu")
+    base32 = AutoModelForCausalLM.from_pretrained(str(bf16_dir), dtype=torch.float32)
+    import tempfile
+
+    from safetensors.torch import save_file
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "adapter_config.json").write_text(json.dumps(cfg, default=str))
+        save_file(tensors, str(Path(tmp) / "adapter_model.safetensors"))
+        reference = PeftModel.from_pretrained(base32, tmp).merge_and_unload()
+    ref = {n: p.to(torch.bfloat16) for n, p in reference.state_dict().items()}
+    got = merged.state_dict()
+    assert {p.dtype for p in got.values()} == {torch.bfloat16}
+    assert set(got) == set(ref)
+    assert all(torch.equal(got[n], ref[n]) for n in got)
+    base16 = AutoModelForCausalLM.from_pretrained(str(bf16_dir), dtype=torch.bfloat16).state_dict()
+    assert any(not torch.equal(got[n], base16[n]) for n in got if "q_proj" in n)  # the adapter was merged in

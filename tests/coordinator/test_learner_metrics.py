@@ -125,3 +125,12 @@ def test_soft_overlong_penalty_shapes_the_advantage(tiny_path):
     # lengths 4, 6, 8 against L_max 8, L_cache 4: penalties 0, -0.5, -1
     assert result.metrics["overlong_penalty_mean"] == pytest.approx(-0.5)
     assert result.reward_mean == pytest.approx(1.0)  # reported reward stays the task's
+
+
+def test_next_version_moves_the_staleness_yardstick(tiny_path):
+    learner = Learner(tiny_path, LORA, lr=1e-2, loss=LossConfig(), max_staleness=1)
+    assert learner.version == 0 and not learner.is_stale(0)
+    assert learner.next_version() == 1 and not learner.is_stale(0)
+    assert learner.next_version() == 2 and learner.is_stale(0) and not learner.is_stale(1)
+    result = learner.step(_groups(learner, 0, 1) + _groups(learner, 2, 1))
+    assert result.groups_used == 1 and result.groups_dropped_stale == 1

@@ -14,7 +14,8 @@ import pytest
 from asyncrl.protocol.codec import KEYFRAME_CODEC
 from asyncrl.runlog import read_events
 
-from tests.conftest import wait_for, wait_for_join
+from tests.conftest import wait_for
+from tests.harness import coordinator_args, start_coordinator, start_volunteer
 
 pytestmark = pytest.mark.integration
 
@@ -30,18 +31,16 @@ def _after_resume(events):
 
 def test_coordinator_killed_and_resumed(procs, tmp_path, free_port):
     run = tmp_path / "run"
-    coord_args = ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny", "--run-dir", str(run), "--no-dashboard",
-                  "--port", str(free_port), "--max-steps", "0", "--threads", "1", "--checkpoint-every", "2",
-                  "--groups-per-step", "4", "--min-groups", "1", "--max-wait-s", "1", "--lease-timeout-s", "120"]
-    first = procs.start("coordinator-1", coord_args)
-    join = wait_for_join(run, 180)
+    coord_opts = dict(port=free_port, checkpoint_every=2, groups_per_step=4, min_groups=1, max_wait_s=1,
+                      lease_timeout_s=120)
+    first = start_coordinator(procs, run, name="coordinator-1", **coord_opts)
+    join = first.join
     for i in range(2):
-        procs.start(f"vol-{i}", ["-m", "asyncrl.client.cli", "join", join, "--name", f"vol-{i}", "--threads", "1",
-                                 "--data-dir", str(tmp_path / f"vol-{i}"), "--seed", str(i), "--json-logs"])
+        start_volunteer(procs, join, tmp_path / f"vol-{i}", name=f"vol-{i}", seed=i, json_logs=True)
     wait_for(lambda: sum(e["event"] == "step" for e in _events(run)) >= 4
              and any(e["event"] == "checkpoint" for e in _events(run)), 300, "4 steps and a checkpoint")
-    procs.signal(first, signal.SIGKILL)
-    first.wait(30)
+    procs.signal(first.proc, signal.SIGKILL)
+    first.proc.wait(30)
     before = _events(run)
 
     newest_before = max(e["version"] for e in before if e["event"] == "publish")
@@ -50,7 +49,7 @@ def test_coordinator_killed_and_resumed(procs, tmp_path, free_port):
         path = tmp_path / f"vol-{i}" / "status.json"
         return path.exists() and max(json.loads(path.read_text())["versions_loaded"] or [-1]) > newest_before
 
-    second = procs.start("coordinator-2", [*coord_args, "--resume"])
+    second = procs.start("coordinator-2", coordinator_args(run, resume=True, **coord_opts))
     wait_for(lambda: (lambda after: sum(e["event"] == "step" for e in after) >= 4
                       and {e["client"] for e in after if e["event"] == "batch"} == {"vol-0", "vol-1"})
              (_after_resume(_events(run))) and loaded_after_restart(0) and loaded_after_restart(1), 300,

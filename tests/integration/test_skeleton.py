@@ -17,7 +17,8 @@ import pytest
 
 from asyncrl.runlog import read_events
 
-from tests.conftest import wait_for, wait_for_join
+from tests.conftest import wait_for
+from tests.harness import start_coordinator, start_volunteer
 
 pytestmark = pytest.mark.integration
 
@@ -43,18 +44,14 @@ def _trained_by_both(run, tmp_path) -> bool:
 
 def test_two_volunteers_train_the_tiny_model(procs, tmp_path):
     run = tmp_path / "run"
-    coord = procs.start("coordinator", ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny",
-                                        "--run-dir", str(run), "--max-steps", "0", "--threads", "1",
-                                        "--groups-per-step", "4", "--max-wait-s", "2", "--wait-for-volunteers", "2"])
-    join = wait_for_join(run)
+    started = start_coordinator(procs, run, no_dashboard=False, groups_per_step=4, max_wait_s=2, wait_for_volunteers=2)
+    coord, join = started.proc, started.join
     assert join.startswith("/ip4/127.0.0.1/tcp/") and "/p2p/12D3KooW" in join
     url = wait_for(lambda: (run / "dashboard.txt").exists() and (run / "dashboard.txt").read_text().strip(), 60,
                    "dashboard.txt")
     with urllib.request.urlopen(url + "api/status", timeout=30) as resp:  # nobody in yet: the run says it waits
         assert json.loads(resp.read())["learner"]["waiting_for_volunteers"] == {"needed": 2, "joined": 0}
-    clients = [procs.start(f"client-{i}", ["-m", "asyncrl.client.cli", "join", join, "--name", f"vol-{i}",
-                                           "--data-dir", str(tmp_path / f"c{i}"), "--seed", str(i),
-                                           "--threads", "1"]) for i in range(2)]
+    clients = [start_volunteer(procs, join, tmp_path / f"c{i}", name=f"vol-{i}", seed=i) for i in range(2)]
     try:
         wait_for(lambda: _trained_by_both(run, tmp_path), 400, "12 steps with a trained batch from each volunteer")
     except AssertionError as exc:

@@ -11,6 +11,7 @@ import pytest
 from asyncrl.runlog import read_events
 from asyncrl.swarm.streams import stream_name
 
+from tests import harness
 from tests.conftest import REPO, wait_for, wait_for_join
 
 pytestmark = pytest.mark.integration
@@ -19,8 +20,7 @@ MAX_BATCH_BYTES = 8 * 1024 * 1024  # the coordinator's default max_batch_bytes
 
 
 def coordinator_args(run, port: int) -> list[str]:
-    return ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny", "--run-dir", str(run), "--max-steps", "0",
-            "--threads", "1", "--port", str(port), "--groups-per-step", "4", "--max-wait-s", "2", "--no-dashboard"]
+    return harness.coordinator_args(run, port=port, groups_per_step=4, max_wait_s=2)
 
 
 def metrics(run) -> list[dict]:
@@ -65,8 +65,7 @@ def test_coordinator_restart_does_not_kill_clients(procs, tmp_path, free_port):
     run, data = tmp_path / "run", tmp_path / "vol"
     first = procs.start("coordinator-1", coordinator_args(run, free_port))
     join = wait_for_join(run)
-    client = procs.start("client", ["-m", "asyncrl.client.cli", "join", join, "--name", "vol", "--data-dir", str(data),
-                                    "--threads", "1", "--quiet"])
+    client = harness.start_volunteer(procs, join, data, name="vol", quiet=True)
     # Until the client generates with a version > 0: after the restart that number names nothing yet.
     wait_or_dump(lambda: client_status(data).get("batches_acked", 0) >= 1
                  and max(client_status(data).get("versions_loaded") or [0]) >= 1, 240,

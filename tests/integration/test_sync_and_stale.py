@@ -22,7 +22,8 @@ import pytest
 from asyncrl.protocol.identity import Identity
 from asyncrl.runlog import read_events
 
-from tests.conftest import REPO, wait_for_join
+from tests.conftest import REPO
+from tests.harness import start_coordinator, start_volunteer
 
 pytestmark = pytest.mark.integration
 
@@ -39,24 +40,22 @@ def _tail(proc, n=2500):
     return proc.log_path.read_text()[-n:] if proc.log_path.exists() else "(no log)"
 
 
-def _start_coordinator(procs, run, *extra):
-    coord = procs.start("coordinator", ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny", "--run-dir",
-                                        str(run), "--threads", "1", "--prompts-per-lease", "2", *extra])
-    join = wait_for_join(run)
-    return coord, join
+def _start_coordinator(procs, run, **opts):
+    started = start_coordinator(procs, run, no_dashboard=False, prompts_per_lease=2, **opts)
+    return started.proc, started.join
 
 
-def _volunteer(procs, tmp_path, join, name, *extra):
-    return procs.start(name, ["-m", "asyncrl.client.cli", "join", join, "--name", name, "--data-dir",
-                              str(tmp_path / name), "--threads", "1", "--quiet", "--prompts-per-batch", "2",
-                              "--fixed-lease-size", *extra])  # two groups per volunteer per round, from the first
+def _volunteer(procs, tmp_path, join, name, **opts):
+    # two groups per volunteer per round, from the first (no sizing probe)
+    return start_volunteer(procs, join, tmp_path / name, name=name, quiet=True, prompts_per_batch=2,
+                           fixed_lease_size=True, **opts)
 
 
 def test_sync_steps_on_every_live_volunteer_at_the_current_version(procs, tmp_path):
     run = tmp_path / "run"
-    coord, join = _start_coordinator(procs, run, "--sync", "--max-steps", "6", "--wait-for-volunteers", "2")
+    coord, join = _start_coordinator(procs, run, sync=True, max_steps=6, wait_for_volunteers=2)
     vols = [_volunteer(procs, tmp_path, join, "alice"),
-            _volunteer(procs, tmp_path, join, "bob", "--duty-cycle", "0.5")]
+            _volunteer(procs, tmp_path, join, "bob", duty_cycle=0.5)]
     try:
         coord.wait(timeout=400)
     except Exception:
@@ -99,10 +98,9 @@ def test_sync_steps_on_every_live_volunteer_at_the_current_version(procs, tmp_pa
 
 def test_hold_version_sends_stale_batches_that_an_unlimited_learner_trains_on(procs, tmp_path):
     run = tmp_path / "run"
-    coord, join = _start_coordinator(procs, run, "--max-steps", "8", "--max-staleness", "-1",
-                                      "--correction", "tis-token", "--groups-per-step", "2", "--min-groups", "2",
-                                      "--max-inflight-groups", "2")
-    vol = _volunteer(procs, tmp_path, join, "holder", "--hold-version", "2")
+    coord, join = _start_coordinator(procs, run, max_steps=8, max_staleness=-1, correction="tis-token",
+                                      groups_per_step=2, min_groups=2, max_inflight_groups=2)
+    vol = _volunteer(procs, tmp_path, join, "holder", hold_version=2)
     try:
         coord.wait(timeout=400)
     except Exception:

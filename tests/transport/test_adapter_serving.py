@@ -152,3 +152,43 @@ def test_a_fetch_is_abandoned_when_the_coordinator_no_longer_holds_the_version()
         asyncio.run(asyncio.wait_for(f._payload(manifest, b"manifest"), 30))
     assert exc.value.code == RejectCode.STALE_VERSION
     assert store.get(6) is None  # the partial copy is gone
+
+
+class RefusingSeederNetwork:
+    """Transport seam: seeder "a" answers every long poll "not held" at once (it never holds the poll); the
+    coordinator serves every chunk. Counts the requests each peer got."""
+
+    peer_id = "me"
+
+    def __init__(self, chunks: list[bytes]):
+        self.chunks = chunks
+        self.asked: dict[str, int] = {}
+
+    async def acall(self, peer, name, request, *, max_response_bytes):
+        self.asked[peer] = self.asked.get(peer, 0) + 1
+        if peer == "a":
+            raise ProtocolError(RejectCode.STALE_VERSION, "chunk not held")
+        version, index = struct.unpack(">QI", request[:12])
+        return self.chunks[index]
+
+
+def test_a_seeder_that_refuses_long_polls_at_once_is_backed_off_and_demoted():
+    """Without back-off each chunk's fetch polled such a seeder in a tight loop for SEEDER_PATIENCE_S (~190
+    requests a second); now its quick refusals, counted per seeder over all chunks, demote it after a few."""
+    from asyncrl.protocol import codec, messages
+    from asyncrl.swarm import fetch
+
+    chunks = [bytes([i]) * 10 for i in range(8)]
+    net = RefusingSeederNetwork(chunks)
+    f = SwarmFetcher(net, run_id="r", coordinator_peer_id="coord", store=AdapterStore(), fetch_timeout_s=600)
+    f.view = lambda: ProviderView(seeders=("a",), holders={})  # every chunk's seeder is "a"
+    manifest = messages.AdapterManifest(
+        run_id="r", version=6, parent_version=None, keyframe_version=6, base_model="m", base_revision="x",
+        lora=messages.LoraSpec(r=1, alpha=1.0, dropout=0.0, target_modules=("q",)), codec=codec.KEYFRAME_CODEC,
+        tensors=(messages.TensorSpec("t", "bf16", (40,)),), raw_bytes=80, compressed_bytes=80, chunk_bytes=10,
+        chunk_hashes=codec.chunk_hashes(chunks), created_at=0.0)
+    payload = asyncio.run(asyncio.wait_for(f._payload(manifest, b"manifest"), 120))
+    assert payload == b"".join(chunks)
+    assert f.stats.seeders_demoted == 1 and f.stats.chunks_from_coordinator == len(chunks)
+    # every chunk asked it at most once after the demotion's count was reached (the requests already in flight)
+    assert net.asked["a"] <= fetch.QUICK_REFUSALS_TO_DEMOTE + len(chunks), net.asked
