@@ -79,6 +79,13 @@ class TransformersEngine:
         load_lora(self.model, tensors)
         self.version = version
 
+    def score(self, prompt: list[int], completion: list[int]) -> list[float]:
+        """Per-token log-probs of `completion` after `prompt` under the loaded adapter, temperature 1 (the
+        adapter-identity canary: models/canary.py)."""
+        from asyncrl.models.canary import completion_logprobs
+
+        return completion_logprobs(self.model, list(prompt), list(completion))
+
     @torch.no_grad()
     def generate(self, prompts: Sequence[list[int]], group_size: int,
                  sampling: SamplingParams) -> list[list[Sample]]:

@@ -160,6 +160,16 @@ class VLLMEngine:
             result.append(group)
         return result
 
+    def score(self, prompt: list[int], completion: list[int]) -> list[float]:
+        """Per-token log-probs of `completion` after `prompt` under the current adapter, temperature 1, from
+        vLLM's prompt log-probs (the adapter-identity canary: models/canary.py)."""
+        from vllm import SamplingParams as VSamplingParams
+
+        ids = list(prompt) + list(completion)
+        params = VSamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        out = self.llm.generate([{"prompt_token_ids": ids}], params, lora_request=self._current, use_tqdm=False)[0]
+        return [out.prompt_logprobs[i][ids[i]].logprob for i in range(len(prompt), len(ids))]
+
     def close(self) -> None:
         """Stop the engine's worker processes and delete the adapter directories."""
         engine = getattr(self, "llm", None)

@@ -159,6 +159,8 @@ class VolunteerStatus:
     pause_reason: str = ""
     paused_s: float = 0.0  # time paused by polite mode or `asyncrl-client pause`
     leases_returned: int = 0  # unfinished leases given back on a pause (instead of letting them expire)
+    canary: dict = field(default_factory=dict)  # the last adapter-identity check (models/canary.py)
+    canary_failures: int = 0  # versions refused because the engine did not match the coordinator's canary
 
 
 @dataclass
@@ -285,6 +287,8 @@ class Volunteer:
         self._settled = threading.Event()  # an upload was answered
         self._uploader = None
         self._upload_backoff = 1.0
+        self.canary_refused: int | None = None  # a version whose canary failed: no work until a newer one passes
+        self._canary_report = None  # a passed canary, said with the next lease request
         if self.outbox.migrated:
             self.out(f"converted {self.outbox.migrated} spooled batches from an older client to payloads")
 
@@ -450,6 +454,13 @@ class Volunteer:
                         self.stop.wait(backoff)
                         backoff = min(MAX_BACKOFF_S, backoff * 2)
                         continue
+                    if self.canary_refused is not None:  # the engine did not really load it: wait for a newer one
+                        self._return_ahead(ahead, f"adapter v{self.canary_refused} failed its canary")
+                        if self.status.state != "refused":
+                            self.status.state = "refused"
+                            self._write_status()
+                        self.stop.wait(self.cfg.poll_s)
+                        continue
                     reason = self.polite.busy()  # --only-when-idle / `asyncrl-client pause`
                     if reason is not None:
                         self._return_ahead(ahead, reason)
@@ -566,6 +577,25 @@ class Volunteer:
             adapter = self.hold.select(adapter)
             if adapter is None:
                 return
+        t0 = time.perf_counter()
+        self._load_into_engine(adapter)
+        verdict = self._canary(adapter)
+        if verdict is not None and not verdict.passed:  # once more: a load can fail transiently
+            self._load_into_engine(adapter)
+            verdict = self._canary(adapter)
+        if verdict is not None:
+            self._report_canary(adapter.version, verdict, time.perf_counter() - t0)
+            if not verdict.passed:  # never spend GPU time on a version the engine did not really load
+                self.canary_refused = adapter.version
+                return
+        self.canary_refused = None
+        self.serving_version = adapter.version  # what batches are tagged with (== the newest unless --hold-version)
+        self.status.versions_loaded.append(adapter.version)
+        if not self.cfg.quiet:
+            self.out(f"[{self.name}] adapter v{adapter.version} loaded ({adapter.manifest.codec}, "
+                     f"{adapter.manifest.compressed_bytes} bytes)")
+
+    def _load_into_engine(self, adapter) -> None:
         try:
             self.engine.load_adapter(adapter.version, adapter.manifest.tensors, adapter.tensors)
         except (ValueError, RuntimeError) as exc:  # shapes/names that do not fit this base model
@@ -573,11 +603,41 @@ class Volunteer:
                 "ADAPTER_MISMATCH", f"the coordinator's adapter is for base model {adapter.manifest.base_model!r} "
                 f"(revision {adapter.manifest.base_revision}); it does not fit {getattr(self, 'model_name', '?')!r}: "
                 f"{str(exc)[:200]}") from None
-        self.serving_version = adapter.version  # what batches are tagged with (== the newest unless --hold-version)
-        self.status.versions_loaded.append(adapter.version)
-        if not self.cfg.quiet:
-            self.out(f"[{self.name}] adapter v{adapter.version} loaded ({adapter.manifest.codec}, "
-                     f"{adapter.manifest.compressed_bytes} bytes)")
+
+    def _canary(self, adapter):
+        """The engine's verdict on the version's canary (models/canary.py); None when the manifest has none
+        or the engine cannot score a given completion."""
+        canary, score = adapter.manifest.canary, getattr(self.engine, "score", None)
+        if canary is None or score is None:
+            return None
+        from asyncrl.models.canary import canary_tokens, judge
+
+        prompt, completion = canary_tokens(canary)
+        try:
+            scored = score(prompt, completion)
+        except Exception as exc:  # noqa: BLE001 - an engine that cannot score is not proof of a missing adapter
+            self.display.event("warning", f"[{self.name}] adapter v{adapter.version}: the canary could not be "
+                               f"scored ({exc.__class__.__name__}: {str(exc)[:200]}); going on without it")
+            return None
+        return judge(scored, canary, dtype=engine_dtype(self.engine))
+
+    def _report_canary(self, version: int, verdict, seconds: float) -> None:
+        """Tell the user (one line on failure) and the coordinator (a health report: with the next lease
+        request, or at once when we refuse the version and will ask for no work)."""
+        report = messages.CanaryReport(version=version, passed=verdict.passed, diff=round(verdict.diff, 6),
+                                       base_diff=round(verdict.base_diff, 6))
+        self.status.canary = {"version": version, "passed": verdict.passed, "diff": round(verdict.diff, 6),
+                              "base_diff": round(verdict.base_diff, 6), "seconds": round(seconds, 4)}
+        if verdict.passed:
+            self._canary_report = report
+            return
+        self.status.canary_failures += 1
+        self.display.event("warning", f"[{self.name}] {verdict.explain(version)}", code="CANARY_FAILED")
+        try:
+            self._rpc().call(adapter_version=getattr(self, "serving_version", 0), canary=report)
+        except Exception as exc:  # noqa: BLE001 - said again with the next request
+            self._canary_report = report
+            self.display.event("warning", f"could not report the failed canary yet ({exc})")
 
     def _rpc(self):
         from .lease_rpc import LeaseRpc
@@ -586,8 +646,10 @@ class Volunteer:
                         coordinator_key=self.coordinator_key, run_id=self.run_id, client_name=self.name)
 
     def _lease(self) -> tuple[list[messages.TaskLease], float]:
+        report, self._canary_report = self._canary_report, None
         grant = self._rpc().call(adapter_version=self.serving_version, max_prompts=self.sizer.want(),
-                                 seconds_per_prompt=self.sizer.reported_rate())  # client/lease_sizing.py
+                                 seconds_per_prompt=self.sizer.reported_rate(),  # client/lease_sizing.py
+                                 canary=report)
         self.granted_at = time.monotonic()
         self.latest_version = grant.current_version
         self.sizer.observe_grant(grant)

@@ -90,7 +90,7 @@ PAGE = r"""<!doctype html>
     <h2>Swarm</h2>
     <table id="swarm">
       <thead><tr><th>Volunteer</th><th>Fingerprint</th><th class="num">Version held</th><th class="num">Lag</th>
-        <th class="num">Rollouts</th><th class="num">Accepted</th><th>Rejected (by code)</th><th>Last seen</th></tr></thead>
+        <th class="num">Rollouts</th><th class="num">Accepted</th><th>Rejected (by code)</th><th>Canary</th><th>Last seen</th></tr></thead>
       <tbody></tbody>
     </table>
   </section>
@@ -232,7 +232,7 @@ function render(d) {
 
   const tbody = $("swarm").tBodies[0];
   tbody.replaceChildren();
-  if (!vols.length) emptyRow(tbody, 8, "no volunteer has joined yet");
+  if (!vols.length) emptyRow(tbody, 9, "no volunteer has joined yet");
   for (const v of vols) {
     const tr = document.createElement("tr");
     tr.setAttribute("data-volunteer", v.name);
@@ -246,6 +246,7 @@ function render(d) {
     cell(tr, String(v.accepted), "num");
     const codes = Object.entries(v.rejected).map(([k, n]) => k + " ×" + n).join(", ");
     cell(tr, codes || "none", codes ? "rej" : "empty");
+    cell(tr, v.canary || "–", v.canary && v.canary.includes("FAILED") ? "rej canary" : "canary");
     cell(tr, ago(v.age_s));
     tbody.appendChild(tr);
   }

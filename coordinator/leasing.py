@@ -317,6 +317,8 @@ class LeaseDesk:
             columns=g.prompt.columns)
             for g in grants)
         self.ingest.note_client(opened.signer, req.client_name)
+        if req.canary is not None:  # the volunteer's adapter-identity check: health, never a strike (models/canary.py)
+            self.ingest.note_canary(opened.signer, req.canary)
         return messages.encode(messages.LeaseGrant(run_id=p.run_id, leases=leases, current_version=version,
                                                    retry_after_s=retry_after, renewed=renewed,
                                                    max_batch_bytes=p.max_batch_bytes, **sizing))

@@ -339,6 +339,7 @@ def volunteer_rows(clients: list[dict], *, version: int, rollouts_by_client: dic
             "accepted": int(c.get("accepted", 0)), "rejected": dict(c.get("rejected") or {}),
             "last_seen": seen, "age_s": max(0.0, now - seen) if seen else None,
             "live": bool(seen) and now - seen <= LIVE_WINDOW_S,
+            "canary": c.get("canary", ""),  # its last adapter-identity check (models/canary.py)
         })
     rows.sort(key=lambda r: -(r["last_seen"] or 0))
     return rows

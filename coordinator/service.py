@@ -16,6 +16,7 @@ Components (each has one job; none references this hub):
   Telemetry   (coordinator/telemetry.py) RunLog listener: stats, dashboard + /metrics, plots, trackers
   AccessControl (coordinator/access.py) open/allowlist, bans, rate limits, quotas, strikes
   Auditor     (coordinator/audit.py) logprob audit under the claimed adapter version (learner hook)
+  AuditWorker (coordinator/audit_worker.py) shadow-model audits after the ack, bounded queue, own thread/stream
   TrustState  (coordinator/trust_state.py) trust.json, replay.bin, access.bin every few seconds
   VolunteerQuorum (coordinator/quorum.py) --wait-for-volunteers N: no lease, no step before N keys are in
 
@@ -166,7 +167,7 @@ class Coordinator:
                              is_published=lambda v: self.publish_worker.is_published(v),
                              max_batch_bytes=cfg.max_batch_bytes,
                              window_s=cfg.timestamp_window_s, journal=self.journal, access=self.access,
-                             seen_path=self.run_dir / "seen_ids.log",
+                             seen_path=self.run_dir / "seen_ids.log", audit_queue=cfg.audit_queue,
                              auditor=self.auditor, receipts=self.receipts, sampling=messages.SamplingParams(
                                  temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens),
                              stop_token_ids=pin.stop_token_ids,  # finish reasons are derived from the tokens
@@ -514,12 +515,15 @@ class Coordinator:
         auditor = getattr(self, "auditor", None)
         if auditor is None or not auditor.enabled:
             return None
-        return {"engines": auditor.engines_status(), "base_tolerance": auditor.tolerance,
+        queue = self.ingest.audits.status() if getattr(self, "ingest", None) is not None and self.ingest.audits else None
+        return {"engines": auditor.engines_status(), "base_tolerance": auditor.tolerance, "queue": queue,
                 **{k: auditor.stats[k] for k in ("audited", "passed", "failed", "skipped")}}
 
     def shutdown(self) -> None:
         self.stop.set()
         self.telemetry.close()  # dashboard down, final reward.png, trackers closed; never raises
+        if getattr(self, "ingest", None) is not None:
+            self.ingest.close()  # the audit worker; batches still waiting are journalled (--resume audits them)
         if getattr(self, "trust", None) is not None:
             self.trust.stop()  # last trust.json / replay.bin
         # A waiting version is abandoned (the final checkpoint holds it; --resume publishes above it).

@@ -45,6 +45,7 @@ MAX_TENSORS_PER_ADAPTER = 8192
 MAX_TENSOR_DIMS = 8
 # Stop-token set of the base model in a manifest (Qwen2.5-Instruct has 2; a handful is normal).
 MAX_STOP_TOKENS = 64
+MAX_CANARY_TOKENS = 128  # prompt and completion tokens each in an adapter's canary (messages.Canary)
 
 # An envelope is accepted only if its timestamp is within ±5 minutes of the receiver's clock:
 # generous for volunteers' unsynchronised clocks, short enough that the replay guard's memory of
