@@ -1,18 +1,25 @@
-"""Client overhead: the full volunteer loop vs bare `engine.generate` on the same work.
+"""Client overhead: the full volunteer loop vs bare `engine.generate` on the same work, pipelined and serial.
 
     python bench/client_overhead.py --engine transformers --json-out /tmp/client_overhead_tf.json
-    python bench/client_overhead.py --engine vllm --json-out /tmp/client_overhead_vllm.json
+    python bench/client_overhead.py --engine transformers --wan --json-out /tmp/client_overhead_wan.json  # root
 
 The client side is the real `Volunteer` (lease over P2P, generate, score, sign, spool to disk with
-fsync, upload, wait for the ack, delete) talking to a real coordinator process over hivemind on
-loopback. That coordinator is `AckOnlyCoordinator`: the real service (publisher, task board, full
-ingest verification including reward re-scoring) with the learner loop replaced by "drain the queue",
-so no training competes for the CPU and no new adapter versions arrive mid-measurement.
+fsync, upload, wait for the ack, delete) talking to a real coordinator process over hivemind. That
+coordinator is `AckOnlyCoordinator`: the real service (publisher, task board, full ingest verification
+including reward re-scoring) with the learner loop replaced by "drain the queue", so no training competes
+for the CPU and no new adapter versions arrive mid-measurement.
 
-The bare side calls the same engine object's `generate` on the same number of prompt batches with the
-same sampling parameters. Both are timed in this process in interleaved rounds (bare, client, bare,
-client, ...) so drift in the machine's speed hits both alike (the machine is noisy). JSON: engine, client_rollouts_per_s,
-bare_rollouts_per_s, ratio (= client / bare), plus the workload.
+Per round, interleaved so drift in the machine's speed hits all alike (the machine is noisy):
+  bare       the same engine object's `generate` on the same prompts and sampling, back to back
+  pipelined  `Volunteer.run()` as shipped (client/pipeline.py: next lease, scoring, upload off the engine)
+  serial     `Volunteer.run()` with `pipeline=False` (lease -> generate -> score -> upload -> next lease)
+Reported per loop: `ratio` = its rollouts/s / bare rollouts/s at the same batch size, and
+`engine_busy_fraction` = seconds inside `engine.generate` / wall seconds of the round; each as the mean
+over rounds with min / max (spread) and the per-round values.
+
+`--wan` puts the coordinator and the volunteer in network namespaces (bench/netlab.py): the volunteer
+behind a 20 Mbit/s uplink, 80 ms RTT and 0.5 % loss on every path (the NFQUEUE delay line where the
+kernel has no netem; the JSON says which). Needs root, `ip`, `tc`, `iptables`. Without it: loopback.
 """
 
 from __future__ import annotations
@@ -20,16 +27,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):  # `python bench/client_overhead.py`: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.results import provenance, write_result  # noqa: E402
+
+WAN = {"volunteer_mbit": 20.0, "coordinator_mbit": 1000.0, "rtt_ms": 80.0, "loss": 0.005}
 
 
-def ack_only_coordinator(run_dir: str, group_size: int, prompts: int, max_new_tokens: int) -> None:
+def ack_only_coordinator(run_dir: str, group_size: int, prompts: int, max_new_tokens: int, host: str) -> None:
     """Entry point of the coordinator subprocess."""
     from asyncrl.coordinator.config import CoordinatorConfig
     from asyncrl.coordinator.service import Coordinator, install_signal_handlers
@@ -41,9 +54,9 @@ def ack_only_coordinator(run_dir: str, group_size: int, prompts: int, max_new_to
             return {}
 
     cfg = CoordinatorConfig(run_dir=run_dir, model="tiny", max_steps=0, group_size=group_size,
-                            prompts_per_lease=prompts, max_new_tokens=max_new_tokens,
+                            prompts_per_lease=prompts, max_new_tokens=max_new_tokens, host=host,
                             max_inflight_groups=1 << 20, max_leases_per_client=1 << 20, groups_per_step=1,
-                            min_groups=1)
+                            min_groups=1, dashboard=False)
     coord = AckOnlyCoordinator(cfg, out=lambda s: print(s, flush=True))
     install_signal_handlers(coord.stop)
     try:
@@ -53,64 +66,30 @@ def ack_only_coordinator(run_dir: str, group_size: int, prompts: int, max_new_to
         coord.shutdown()
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers")
-    p.add_argument("--batches", type=int, default=30, help="batches in the measured workload")
-    p.add_argument("--prompts", type=int, default=8, help="prompts per batch")
-    p.add_argument("--group-size", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=3, help="bare/client rounds, interleaved")
-    p.add_argument("--json-out", default=None)
-    p.add_argument("--_coordinator", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args._coordinator:
-        ack_only_coordinator(args._coordinator, args.group_size, args.prompts, args.max_new_tokens)
-        return 0
-
-    import torch
-
-    torch.set_num_threads(1)
-    work = Path(tempfile.mkdtemp(prefix="asyncrl-overhead-"))
-    run_dir = work / "coordinator"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    coord = subprocess.Popen([sys.executable, __file__, "--_coordinator", str(run_dir), "--prompts", str(args.prompts),
-                              "--group-size", str(args.group_size), "--max-new-tokens", str(args.max_new_tokens)],
-                             stdout=open(work / "coordinator.log", "w"), stderr=subprocess.STDOUT, env=env,
-                             start_new_session=True)
-    try:
-        deadline = time.time() + 180
-        while not (run_dir / "join.txt").exists():
-            if coord.poll() is not None or time.time() > deadline:
-                print((work / "coordinator.log").read_text()[-2000:])
-                raise SystemExit("coordinator did not start")
-            time.sleep(0.2)
-        address = (run_dir / "join.txt").read_text().strip()
-        result = measure(args, address, work)
-    finally:
-        coord.terminate()
-        try:
-            coord.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(coord.pid, 9)
-    print(json.dumps(result, indent=2))
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=2))
-    return 0
+def spread(values: list[float]) -> dict:
+    return {"mean": round(statistics.fmean(values), 4), "min": round(min(values), 4), "max": round(max(values), 4),
+            "rounds": [round(v, 4) for v in values]}
 
 
 def measure(args, address: str, work: Path) -> dict:
+    """Entry point of the measuring client (in the volunteer's namespace with --wan)."""
+    import torch
+
     from asyncrl.client.worker import Volunteer, VolunteerConfig
 
+    torch.set_num_threads(1)
     vol = Volunteer(VolunteerConfig(address=address, data_dir=work / "volunteer", name="bench",
                                     prompts_per_batch=args.prompts, engine=args.engine, display="quiet",
-                                    max_batches=2, fixed_lease_size=True))  # the same prompts as the bare engine
+                                    max_batches=2, fixed_lease_size=True,  # the same prompts as the bare engine
+                                    client_mode=args.wan))  # --wan: outbound only, like a volunteer at home
     vol.connect()
     vol.run()  # warm-up: engine load, first adapter, first batches (not timed)
     engine = vol.engine
     leases, _ = vol._lease()  # (leases, retry_after_s)
+    vol._release(leases, "bench: prompts copied for the bare engine")
     prompts = [list(vol.engine.tokenizer(l.prompt)["input_ids"]) for l in leases]
     sampling, group = leases[0].sampling, leases[0].group_size
+    per_batch = args.prompts * group
 
     def bare(n: int) -> float:
         t0 = time.perf_counter()
@@ -118,30 +97,124 @@ def measure(args, address: str, work: Path) -> dict:
             engine.generate(prompts, group, sampling)
         return time.perf_counter() - t0
 
-    def client(n: int) -> tuple[float, int]:
-        before = vol.status.batches_acked
-        vol.cfg.max_batches = before + n
+    def client(n: int, pipelined: bool) -> tuple[float, int, float]:
+        before, busy_before = vol.status.batches_acked, vol.status.engine_busy_s
+        vol.cfg.max_batches, vol.cfg.pipeline = before + n, pipelined
         vol.stop.clear()
         t0 = time.perf_counter()
         vol.run()
-        return time.perf_counter() - t0, vol.status.batches_acked - before
+        wall = time.perf_counter() - t0
+        return wall, vol.status.batches_acked - before, (vol.status.engine_busy_s - busy_before) / wall
 
-    # Interleave bare and client rounds so drift in machine speed hits both alike.
     per_round = max(1, args.batches // args.rounds)
-    bare_s, client_s, client_batches, ratios = 0.0, 0.0, 0, []
-    for _ in range(args.rounds):
-        b_s = bare(per_round)
-        c_s, c_n = client(per_round)
-        bare_s, client_s, client_batches = bare_s + b_s, client_s + c_s, client_batches + c_n
-        ratios.append((c_n / c_s) / (per_round / b_s))
+    rows = {"pipelined": {"ratio": [], "engine_busy_fraction": [], "rollouts_per_s": []},
+            "serial": {"ratio": [], "engine_busy_fraction": [], "rollouts_per_s": []}}
+    bare_rps = []
+    for r in range(args.rounds):
+        b_rps = per_round * per_batch / bare(per_round)
+        bare_rps.append(b_rps)
+        order = ("pipelined", "serial") if r % 2 == 0 else ("serial", "pipelined")
+        for loop in order:
+            wall, n, busy = client(per_round, loop == "pipelined")
+            rps = n * per_batch / wall
+            rows[loop]["rollouts_per_s"].append(rps)
+            rows[loop]["ratio"].append(rps / b_rps)
+            rows[loop]["engine_busy_fraction"].append(busy)
+        print(f"round {r}: bare {b_rps:.1f} rollouts/s; " + "; ".join(
+            f"{k} ratio {v['ratio'][-1]:.3f} busy {v['engine_busy_fraction'][-1]:.3f}" for k, v in rows.items()),
+            flush=True)
     vol.shutdown()
-    per_batch = args.prompts * group
-    bare_rps = args.rounds * per_round * per_batch / bare_s
-    client_rps = client_batches * per_batch / client_s
-    return {"engine": engine.name, "client_rollouts_per_s": client_rps, "bare_rollouts_per_s": bare_rps,
-            "ratio": client_rps / bare_rps, "round_ratios": ratios, "bare_s": bare_s, "client_s": client_s,
-            "batches": args.batches, "prompts_per_batch": args.prompts, "group_size": group,
-            "max_new_tokens": sampling.max_new_tokens, "rejected": vol.status.batches_rejected}
+    return {"engine": engine.name, "bare_rollouts_per_s": spread(bare_rps),
+            **{loop: {k: spread(v) for k, v in cols.items()} for loop, cols in rows.items()},
+            "ratio": statistics.fmean(rows["pipelined"]["ratio"]),
+            "engine_busy_fraction": statistics.fmean(rows["pipelined"]["engine_busy_fraction"]),
+            "batches_per_round": per_round, "rounds": args.rounds, "prompts_per_batch": args.prompts,
+            "group_size": group, "max_new_tokens": sampling.max_new_tokens, "rejected": vol.status.batches_rejected}
+
+
+def build_wan(net, log_dir: Path) -> dict:
+    core = net.ns("core")
+    coord = net.ns("coord")
+    up, _ = net.link(coord, "10.79.0.2", core, "10.79.0.1")
+    net.route_default(coord, "10.79.0.1")
+    net.shape(coord, up, WAN["coordinator_mbit"])
+    vol = net.ns("vol")
+    dev, _ = net.link(vol, "10.79.1.2", core, "10.79.1.1")
+    net.route_default(vol, "10.79.1.1")
+    net.shape(vol, dev, WAN["volunteer_mbit"])
+    net.forwarding(core)
+    delay = net.delay_line(core, delay_ms=WAN["rtt_ms"] / 2, loss=WAN["loss"], log=open(log_dir / "delay-line.log", "w"))
+    return {"coord": coord, "vol": vol, "link_emulation": delay["method"]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers")
+    p.add_argument("--batches", type=int, default=30, help="batches per loop in the measured workload")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per batch")
+    p.add_argument("--group-size", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3, help="bare/pipelined/serial rounds, interleaved")
+    p.add_argument("--wan", action="store_true", help="coordinator and volunteer in network namespaces over a WAN link")
+    p.add_argument("--json-out", default=None)
+    p.add_argument("--_coordinator", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_host", default="127.0.0.1", help=argparse.SUPPRESS)
+    p.add_argument("--_client", default=None, help=argparse.SUPPRESS)  # join address: measure, write --json-out
+    args = p.parse_args()
+    if args._coordinator:
+        ack_only_coordinator(args._coordinator, args.group_size, args.prompts, args.max_new_tokens, args._host)
+        return 0
+    if args._client:
+        Path(args.json_out).write_text(json.dumps(measure(args, args._client, Path(args.json_out).parent)))
+        return 0
+
+    work = Path(tempfile.mkdtemp(prefix="asyncrl-overhead-"))
+    run_dir = work / "coordinator"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    net, topo, host = None, None, "127.0.0.1"
+    in_ns = lambda role: [] if topo is None else ["ip", "netns", "exec", topo[role]]  # noqa: E731
+    if args.wan:
+        from bench.netlab import Netlab, netns_problem
+
+        problem = netns_problem()
+        if problem is not None:
+            raise SystemExit(f"client_overhead --wan: cannot build network namespaces here: {problem}")
+        net = Netlab("ovh")
+        topo, host = build_wan(net, work), "10.79.0.2"
+    common = ["--prompts", str(args.prompts), "--group-size", str(args.group_size),
+              "--max-new-tokens", str(args.max_new_tokens)]
+    coord = subprocess.Popen([*in_ns("coord"), sys.executable, __file__, "--_coordinator", str(run_dir),
+                              "--_host", host, *common], stdout=open(work / "coordinator.log", "w"),
+                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.time() + 600  # a loaded machine starts a coordinator slowly
+        while not (run_dir / "join.txt").exists():
+            if coord.poll() is not None or time.time() > deadline:
+                print((work / "coordinator.log").read_text()[-2000:])
+                raise SystemExit("coordinator did not start")
+            time.sleep(0.2)
+        address = (run_dir / "join.txt").read_text().strip()
+        out = work / "client.json"
+        client = subprocess.run([*in_ns("vol"), sys.executable, __file__, "--_client", address, "--json-out", str(out),
+                                 "--engine", args.engine, "--batches", str(args.batches), "--rounds", str(args.rounds),
+                                 *(["--wan"] if args.wan else []), *common], env=env)
+        if client.returncode != 0:
+            raise SystemExit(f"the measuring client failed (rc {client.returncode}); logs in {work}")
+        result = json.loads(out.read_text())
+    finally:
+        coord.terminate()
+        try:
+            coord.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(coord.pid, 9)
+        if net is not None:
+            net.close()
+    result["network"] = ({"mode": "wan", **WAN, "link_emulation": topo["link_emulation"]} if topo is not None
+                         else {"mode": "loopback"})
+    result.update(provenance())
+    print(json.dumps(result, indent=2))
+    write_result(args.json_out, result)
+    return 0
 
 
 if __name__ == "__main__":

@@ -40,6 +40,9 @@ def add_join_arguments(join: argparse.ArgumentParser) -> None:
     join.add_argument("--max-batches", type=int, default=0, help="stop after this many acked batches (0 = never)")
     join.add_argument("--prompts-per-batch", type=int, default=4,
                       help="most prompts per lease; fewer when this machine is too slow to return them in time")
+    join.add_argument("--no-pipeline", dest="pipeline", action="store_false",
+                      help="work in series (lease, generate, score, upload, then the next lease) instead of fetching "
+                           "the next lease and uploading while the engine generates (benchmarks compare the two)")
     join.add_argument("--fixed-lease-size", action="store_true",
                       help="always ask for --prompts-per-batch, however slow this machine is (benchmarks)")
     join.add_argument("--client-mode", action="store_true",
@@ -260,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           max_outbox_bytes=args.max_outbox_mb * 1024 * 1024,
                           duty_cycle=args.duty_cycle, hold_version=args.hold_version, max_model_len=args.max_model_len,
-                          follow=args.follow, fixed_lease_size=args.fixed_lease_size,
+                          follow=args.follow, fixed_lease_size=args.fixed_lease_size, pipeline=args.pipeline,
                           only_when_idle=args.only_when_idle, user_idle_s=args.user_idle_s,
                           idle_max_cpu=args.idle_max_cpu, max_gpu_memory_gb=args.max_gpu_memory_gb,
                           display="quiet" if args.quiet else "json" if args.json_logs else "live", **swarm)

@@ -10,9 +10,14 @@ Components (one job each; none references this hub):
   IdleWatch    (client/polite.py) --only-when-idle / `asyncrl-client pause`: pause, returning unfinished leases
   status.json  what this volunteer did (for `asyncrl-client status` and tests)
 
-Loop: poll the pointer (hot-swap a newer adapter between batches) -> lease prompts -> generate G
-completions each -> score -> spool the RolloutBatch payload -> seal (fresh timestamp + nonce) -> upload
--> delete on ack. What each answer does to a spooled batch (`UPLOAD_OUTCOMES`, docs/client.md): acked or
+  LeaseRpc     (client/lease_rpc.py) the one lease-stream call: ask, renew, return, goodbye
+  pipeline     (client/pipeline.py) LeaseAhead / Stage / Uploader: the threads that keep the engine busy
+
+Loop (the engine thread): poll the pointer (hot-swap a newer adapter between batches) -> take the leases
+fetched ahead (and ask for the next ones) -> generate G completions each, all prompts in one engine call
+-> hand the work to the scorer thread (score -> spool the RolloutBatch payload), whose spool wakes the
+uploader thread (seal with a fresh timestamp + nonce -> upload -> delete on ack). `--no-pipeline` runs the
+same steps in series on one thread (benchmarks compare the two). What each answer does to a spooled batch (`UPLOAD_OUTCOMES`, docs/client.md): acked or
 duplicate -> deleted; busy / clock / deadline -> kept, the flush stops and retries later; refused after the
 coordinator read it -> deleted and counted; too large -> split by groups (or quarantined when it is one
 group); a coordinator that cannot take it at all (not admitted, other run, other schema) -> quarantined.
@@ -30,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from asyncrl.protocol import envelope, handshake, limits, messages
+from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import Identity
 from asyncrl.swarm import streams
@@ -40,10 +45,9 @@ from .episodes import episode_completion, generate_episodes, is_episode_lease
 
 # Test-only fault injection (hivemind-style): ASYNCRL_FAULT=slow-generate:S makes each work take S seconds
 # more (a slow GPU), slow-prompt:S S seconds more per leased prompt (a slow GPU, in proportion to the
-# work: tests/integration/test_sized_leases.py); ASYNCRL_FAULT=pause-after-spool makes the volunteer stop
-# between writing a batch to the outbox and uploading it, so a test can SIGKILL it at exactly that point;
-# ASYNCRL_FAULT=hold-uploads makes it keep working but upload nothing while <data_dir>/HOLD_UPLOADS exists
-# (tests/integration/test_outage.py: batches spooled across an outage).
+# work: tests/integration/test_sized_leases.py); ASYNCRL_FAULT=hold-uploads makes it keep working but upload
+# nothing while <data_dir>/HOLD_UPLOADS exists (tests/integration/test_outage.py: batches spooled across an
+# outage; test_client_crash.py: a SIGKILL while several batches wait in the outbox).
 FAULT = os.environ.get("ASYNCRL_FAULT", "")
 MAX_BACKOFF_S = 30.0
 ENGINE_FAILURE_STREAK = 3  # works in a row in which the engine served no lease at all: the engine is broken
@@ -97,6 +101,7 @@ class VolunteerConfig:
     hold_version: int = 0  # EXPERIMENT-ONLY: generate with the adapter K versions behind (client/version_hold.py)
     follow: bool = False  # when the run is over, wait for the coordinator's next run instead of exiting
     fixed_lease_size: bool = False  # always ask for prompts_per_batch (no sizing: benchmarks, comparisons)
+    pipeline: bool = True  # fetch the next lease, score and upload while the engine generates (client/pipeline.py)
     # polite mode (client/polite.py)
     only_when_idle: bool = False  # pause while other processes use the GPU (or CPU) or the user is active
     user_idle_s: float = 180.0  # user input this recently counts as "in use" (0 = ignore the user)
@@ -133,6 +138,7 @@ class VolunteerStatus:
     reward_sum: float = 0.0
     started_at: float = field(default_factory=time.time)
     busy_s: float = 0.0    # measured batch work time (--duty-cycle accounting)
+    engine_busy_s: float = 0.0  # time inside the engine's generate (engine_busy_fraction = this / wall)
     rested_s: float = 0.0  # time rested for the duty cycle
     idle_lease_requests: int = 0  # lease requests answered with no work (client/pacing.py IdleBackoff)
     lease_renewals: int = 0   # renewal requests answered while generating (client/lease_keeper.py)
@@ -153,6 +159,29 @@ class VolunteerStatus:
     pause_reason: str = ""
     paused_s: float = 0.0  # time paused by polite mode or `asyncrl-client pause`
     leases_returned: int = 0  # unfinished leases given back on a pause (instead of letting them expire)
+    canary: dict = field(default_factory=dict)  # the last adapter-identity check (models/canary.py)
+    canary_failures: int = 0  # versions refused because the engine did not match the coordinator's canary
+
+
+@dataclass
+class Work:
+    """Leases granted together, on their way through the pipeline (client/pipeline.py)."""
+    leases: list
+    keeper: object  # LeaseKeeper renewing them since the grant (None for an empty grant)
+    granted_at: float  # monotonic
+    retry_after: float = 0.0  # an empty grant: the coordinator's waiting line
+    version: int = -1  # the adapter it was generated with
+    generated: list = field(default_factory=list)  # (lease, samples)
+    unfinished: list = field(default_factory=list)  # leases a pause left unstarted (returned)
+    reason: str | None = None
+
+
+@dataclass
+class PendingAck:
+    """A spooled batch's leases: when they were granted, how many prompts were tried (the sizer's sample)."""
+    prompts: int
+    granted_at: float
+    measured: bool = False
 
 
 class EngineFailed(RuntimeError):
@@ -170,6 +199,21 @@ def engine_kind(engine) -> str:
     wire cannot carry): the coordinator learns an audit tolerance per kind and dtype."""
     name = str(getattr(engine, "name", "")).lower()
     return name if 0 < len(name) <= 32 and all(c.isalnum() or c in "_.-" for c in name) and name.isascii() else ""
+
+
+def engine_sizing(engine, manifest: messages.AdapterManifest, *, capped_by_user: bool) -> str:
+    """The line `join` prints once its engine runs: the context it serves and why, how many sequences it runs
+    at once, and its KV cache (what a volunteer checks when batches look small or memory looks wasted)."""
+    context = getattr(engine, "context_limit", None)
+    why = ("--max-model-len" if capped_by_user else "the task's longest prompt + max_new_tokens"
+           if manifest.max_context_tokens else "the model's own limit")
+    parts = [f"engine: {getattr(engine, 'name', '?')}, context {context} tokens ({why})"]
+    seqs, kv = getattr(engine, "max_num_seqs", 0), getattr(engine, "kv_cache_tokens", 0)
+    if seqs:
+        parts.append(f"up to {seqs} sequences at once")
+    if kv and context:
+        parts.append(f"KV cache {kv} tokens = {kv // context} full-length sequences")
+    return ", ".join(parts)
 
 
 class BaseModelMismatch(RuntimeError):
@@ -237,6 +281,14 @@ class Volunteer:
                      + ", ".join(self.polite.detectors()))
         self.max_batch_bytes = 0  # the coordinator's cap, from its last lease grant (0 = not known yet)
         self._internal_failures: dict[bytes, int] = {}
+        # the pipeline (client/pipeline.py): shared by the engine, scorer and uploader threads
+        self._counter_lock, self._flush_lock, self._status_lock = threading.Lock(), threading.Lock(), threading.Lock()
+        self._awaiting_ack: dict[bytes, PendingAck] = {}  # spooled batch id -> its leases' grant (sizing)
+        self._settled = threading.Event()  # an upload was answered
+        self._uploader = None
+        self._upload_backoff = 1.0
+        self.canary_refused: int | None = None  # a version whose canary failed: no work until a newer one passes
+        self._canary_report = None  # a passed canary, said with the next lease request
         if self.outbox.migrated:
             self.out(f"converted {self.outbox.migrated} spooled batches from an older client to payloads")
 
@@ -282,10 +334,23 @@ class Volunteer:
             raise RunFinished(f"run {hs.info.run_id!r} has finished; nothing to do (`join --follow` waits for the next)")
         for check in checks:
             if check.status == FAIL:
+                if check.code == RejectCode.REWARD_PACKAGE_MISSING.value:
+                    self._report_missing_rewards(hs)
                 raise JoinCheckFailed(check)
             if check.status == WARN:
                 self.display.event("warning", f"warning: {check.detail}; {check.fix}")
         return hs
+
+    def _report_missing_rewards(self, hs) -> None:
+        """Say which reward packages we lack before we leave, so the operator sees it on the dashboard (no
+        lease was asked for; the refusal is no strike). Best effort: we leave either way."""
+        from .checks import exchange, missing_reward_packages
+
+        try:
+            exchange(self.node, self.coordinator_peer_id,
+                     missing_rewards=tuple(p.reward for p in missing_reward_packages(hs.info)))
+        except Exception as exc:  # noqa: BLE001 - the refusal stands whether or not the report arrived
+            self.display.event("warning", f"could not tell the coordinator about the missing packages: {exc}")
 
     def _wait_for_next_run(self, hs):
         """--follow: ask the coordinator again, less and less often, until it runs an unfinished run."""
@@ -340,20 +405,23 @@ class Volunteer:
             raise BaseModelMismatch(exc.code.value, exc.detail) from None
         if not self.cfg.quiet:
             self.out(f"base model {pin.name} at {pin.short()} verified ({base.path})")
-        from .engine import capped_memory_utilization
-
-        utilization = capped_memory_utilization(self.cfg.gpu_memory_utilization, self.cfg.max_gpu_memory_gb, out=self.out)
+        # the task's longest sequence (manifest), not the model's whole context: that memory goes to batch
+        context = self.cfg.max_model_len or manifest.max_context_tokens or None
         self.engine = make_engine(self.cfg.engine, base.path, manifest.lora, seed=self.cfg.seed,
-                                  gpu_memory_utilization=utilization,
-                                  max_model_len=self.cfg.max_model_len, stop_token_ids=pin.stop_token_ids,
+                                  gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+                                  max_gpu_memory_gb=self.cfg.max_gpu_memory_gb,  # the engine's own budget
+                                  max_model_len=context, stop_token_ids=pin.stop_token_ids,
                                   out=self.out)
+        self.out(engine_sizing(self.engine, manifest, capped_by_user=bool(self.cfg.max_model_len)))
         self.model_name = base.path
+        self.sizer.engine_seqs = int(getattr(self.engine, "max_num_seqs", 0) or 0)  # leases that fill the engine
 
-    # ---- main loop --------------------------------------------------------------------------
+    # ---- main loop (the engine thread; client/pipeline.py) --------------------------------------
     def run(self) -> VolunteerStatus:
         from asyncrl.swarm.transport import TransportError
 
         from .outbox import OutboxFull
+        from .pipeline import LeaseAhead, Stage, Uploader
 
         if getattr(self, "engine", None) is None:  # first run(); a later call continues with what it has
             current = self.wait_for_adapter()
@@ -366,82 +434,108 @@ class Volunteer:
             self.flush()  # batches left from a previous run go first
         except TransportError as exc:
             self.display.event("warning", f"could not upload spooled batches yet ({exc}); will retry")
-        while not self.stop.is_set() and not self.status.run_finished:
-            if self.cfg.max_batches and self.status.batches_acked >= self.cfg.max_batches:
-                break
-            try:
-                newer = self.sync.poll()
-                if newer is not None:
-                    self._load(newer)
-                if self.sync.finished:  # the coordinator's signed pointer: the run is over
-                    self.status.run_finished = True
-                    self._goodbye()
+        pipelined = self.cfg.pipeline
+        # --only-when-idle generates prompt by prompt and gives the machine back at once: no lease ahead there
+        ahead = LeaseAhead(self._fetch_work) if pipelined and not self.cfg.only_when_idle else None
+        stage = Stage(self._finish_work, depth=1, name="scorer") if pipelined else None
+        self._uploader = Uploader(self.flush, on_error=self._upload_failed) if pipelined else None
+        try:
+            while not self.stop.is_set() and not self.status.run_finished:
+                if self.cfg.max_batches and self.status.batches_acked >= self.cfg.max_batches:
                     break
-                if len(self.outbox):
-                    # Spooled batches go first, every round (not only after new work: a volunteer holding
-                    # all the leases it may hold would otherwise never deliver them after an outage).
-                    self.flush()
-                if len(self.outbox) and self.outbox.size_bytes() >= self.outbox.max_bytes * 0.9:
-                    # Bounded disk: stop producing until the coordinator takes what we have.
-                    self.display.event("warning", f"outbox nearly full ({self.outbox.size_bytes()} bytes, cap "
-                                       f"{self.outbox.max_bytes}); pausing generation until uploads succeed")
+                try:
+                    in_flight = self._in_flight(stage)
+                    if self.cfg.max_batches and self.status.batches_acked + in_flight >= self.cfg.max_batches:
+                        self._settled.clear()  # enough work is out: wait for its acks (or refusals)
+                        self._settled.wait(self.cfg.poll_s)
+                        continue
+                    newer = self.sync.poll()
+                    if newer is not None:
+                        self._load(newer)
+                    if self.sync.finished:  # the coordinator's signed pointer: the run is over
+                        self.status.run_finished = True
+                        self._goodbye()
+                        break
+                    if len(self.outbox):
+                        # Spooled batches go first, every round (not only after new work: a volunteer holding
+                        # all the leases it may hold would otherwise never deliver them after an outage).
+                        self._kick_uploads()
+                    if len(self.outbox) and self.outbox.size_bytes() >= self.outbox.max_bytes * 0.9:
+                        # Bounded disk: stop producing until the coordinator takes what we have.
+                        self.display.event("warning", f"outbox nearly full ({self.outbox.size_bytes()} bytes, cap "
+                                           f"{self.outbox.max_bytes}); pausing generation until uploads succeed")
+                        self.stop.wait(backoff)
+                        backoff = min(MAX_BACKOFF_S, backoff * 2)
+                        continue
+                    if self.canary_refused is not None:  # the engine did not really load it: wait for a newer one
+                        self._return_ahead(ahead, f"adapter v{self.canary_refused} failed its canary")
+                        if self.status.state != "refused":
+                            self.status.state = "refused"
+                            self._write_status()
+                        self.stop.wait(self.cfg.poll_s)
+                        continue
+                    reason = self.polite.busy()  # --only-when-idle / `asyncrl-client pause`
+                    if reason is not None:
+                        self._return_ahead(ahead, reason)
+                        self._pause(reason)
+                        continue
+                    self.status.state = "working"
+                    work = ahead.take() if ahead is not None and ahead.asked else self._fetch_work()
+                    if not work.leases:
+                        if work.retry_after > 0:  # the coordinator's waiting line (client/pacing.py IdleBackoff)
+                            self.stop.wait(self.idle.after_empty(work.retry_after))
+                        elif self.hold is None and (self.latest_version or 0) > self.serving_version:
+                            # --sync grants only at the current version: look again soon, it is being fetched
+                            self.idle.requests += 1
+                            time.sleep(min(self.cfg.poll_s, 0.05))
+                        else:
+                            self.stop.wait(self.idle.after_empty(0.0))
+                        self.status.idle_lease_requests = self.idle.requests
+                        continue
+                    self.idle.reset()
+                    if ahead is not None and self._worth_asking_ahead(in_flight):
+                        ahead.ask()  # the next prompts, fetched while this generation runs
+                    busy = self._generate_work(work)
+                    if stage is not None:
+                        stage.put(work)  # blocks while the scorer is a work behind (back-pressure)
+                    else:  # the serial loop (--no-pipeline): score, spool, upload, then the next lease
+                        self._finish_work(work)  # (its spool flushes at once)
+                    self.pacer.rest_after(busy, self.stop)  # --duty-cycle (no-op at 1.0)
+                    self.status.busy_s, self.status.rested_s = self.pacer.busy_s, self.pacer.rested_s
+                    backoff = 1.0
+                except ProtocolError as exc:
+                    if exc.code is RejectCode.RUN_FINISHED:
+                        self.status.run_finished = True
+                        break
+                    if exc.code in FINAL_LEASE_REJECTS:  # no retry can help: say so and stop (cli.py prints it)
+                        self.status.refused = exc.code.value
+                        self._write_status()
+                        raise
+                    self.display.event("warning", f"warning: {exc.code.value}: {exc.detail}", code=exc.code.value)
+                    if exc.code is RejectCode.RATE_LIMITED:  # back off like an empty grant, never hammer
+                        self.stop.wait(self.idle.after_empty(0.0))
+                    else:
+                        time.sleep(self.cfg.poll_s)
+                except OutboxFull as exc:
+                    self.display.event("warning", str(exc))
                     self.stop.wait(backoff)
                     backoff = min(MAX_BACKOFF_S, backoff * 2)
-                    continue
-                reason = self.polite.busy()  # --only-when-idle / `asyncrl-client pause`
-                if reason is not None:
-                    self._pause(reason)
-                    continue
-                self.status.state = "working"
-                leases, retry_after = self._lease()
-                if not leases:
-                    if retry_after > 0:  # the coordinator's waiting line (client/pacing.py IdleBackoff)
-                        self.stop.wait(self.idle.after_empty(retry_after))
-                    elif self.hold is None and (self.latest_version or 0) > self.serving_version:
-                        # --sync grants only at the current version: look again soon, it is being fetched
-                        self.idle.requests += 1
-                        time.sleep(min(self.cfg.poll_s, 0.05))
-                    else:
-                        self.stop.wait(self.idle.after_empty(0.0))
-                    self.status.idle_lease_requests = self.idle.requests
-                    continue
-                self.idle.reset()
-                busy_from, lost_before = time.perf_counter(), self.status.leases_lost
-                returned_before = self.status.leases_returned
-                done = self._work(leases)
-                busy = time.perf_counter() - busy_from
-                self.flush()
-                tried = len(leases) - (self.status.leases_returned - returned_before)  # a pause returns the rest
-                if done or self.status.leases_lost > lost_before:  # grant to ack (or to losing it): per prompt
-                    self.sizer.measured(tried, time.monotonic() - self.granted_at)
-                    self.status.seconds_per_prompt = round(self.sizer.seconds_per_prompt, 3)
-                self.pacer.rest_after(busy, self.stop)  # --duty-cycle (no-op at 1.0)
-                self.status.busy_s, self.status.rested_s = self.pacer.busy_s, self.pacer.rested_s
-                backoff = 1.0
-            except ProtocolError as exc:
-                if exc.code is RejectCode.RUN_FINISHED:
-                    self.status.run_finished = True
-                    break
-                if exc.code in FINAL_LEASE_REJECTS:  # no retry can help: say so and stop (cli.py prints it)
-                    self.status.refused = exc.code.value
-                    self._write_status()
-                    raise
-                self.display.event("warning", f"warning: {exc.code.value}: {exc.detail}", code=exc.code.value)
-                if exc.code is RejectCode.RATE_LIMITED:  # back off like an empty grant, never hammer
-                    self.stop.wait(self.idle.after_empty(0.0))
-                else:
-                    time.sleep(self.cfg.poll_s)
-            except OutboxFull as exc:
-                self.display.event("warning", str(exc))
-                self.stop.wait(backoff)
-                backoff = min(MAX_BACKOFF_S, backoff * 2)
-            except TransportError as exc:
-                self.display.event("warning", f"coordinator unreachable ({exc}); retrying in {backoff:.0f}s")
-                self.stop.wait(backoff)
-                backoff = min(MAX_BACKOFF_S, backoff * 2)
-            self._write_status()
-            self.display.status(self.status, version=self.sync.current.version if self.sync.current else None,
-                                latest=self.latest_version, outbox=len(self.outbox))
+                except TransportError as exc:
+                    self.display.event("warning", f"coordinator unreachable ({exc}); retrying in {backoff:.0f}s")
+                    self.stop.wait(backoff)
+                    backoff = min(MAX_BACKOFF_S, backoff * 2)
+                self._write_status()
+                self.display.status(self.status, version=self.sync.current.version if self.sync.current else None,
+                                    latest=self.latest_version, outbox=len(self.outbox))
+        finally:  # leases fetched ahead go back; every finished work is spooled before the last flush
+            self._return_ahead(ahead, "stopping")
+            if ahead is not None:
+                ahead.close()
+            if stage is not None:
+                stage.close()
+            if self._uploader is not None:
+                self._uploader.close()
+                self._uploader = None
         try:
             self.flush()
         except TransportError as exc:
@@ -451,11 +545,70 @@ class Volunteer:
         self.display.close()
         return self.status
 
+    def _worth_asking_ahead(self, in_flight: int) -> bool:
+        """Not before the first lease is measured (the sizer's probe: what this machine can return in time is
+        not known yet), nor when --max-batches is reached with the work in hand."""
+        if not self.sizer.fixed and not self.sizer.seconds_per_prompt:
+            return False
+        return not (self.cfg.max_batches and self.status.batches_acked + in_flight + 1 >= self.cfg.max_batches)
+
+    def _in_flight(self, stage) -> int:
+        """Works generated and not yet acked or refused (max_batches counts them): pipelined only."""
+        return 0 if stage is None else stage.pending + len(self.outbox)
+
+    def _kick_uploads(self) -> None:
+        if self._uploader is not None:
+            self._uploader.kick()
+        else:
+            self.flush()
+
+    def _upload_failed(self, exc: Exception | None) -> float:
+        """The uploader's back-off: a flush the coordinator deferred (None) or one that could not reach it."""
+        from asyncrl.swarm.transport import TransportError
+
+        if exc is not None and not isinstance(exc, TransportError):
+            self.display.event("warning", f"upload failed: {exc.__class__.__name__}: {str(exc)[:300]}")
+        elif exc is not None:
+            self.display.event("warning", f"coordinator unreachable ({exc}); retrying in {self._upload_backoff:.0f}s")
+        wait, self._upload_backoff = self._upload_backoff, min(MAX_BACKOFF_S, self._upload_backoff * 2)
+        return wait
+
+    def _return_ahead(self, ahead, reason: str) -> None:
+        """Leases fetched ahead and not started go back to the coordinator now (a pause, a stop)."""
+        if ahead is None or not ahead.asked:
+            return
+        try:
+            work = ahead.take()
+        except Exception:  # noqa: BLE001 - a failed ask holds no leases
+            return
+        if work.leases:
+            work.keeper.finish()
+            self._release(work.leases, reason)
+
     def _load(self, adapter) -> None:
         if getattr(self, "hold", None) is not None:  # experiment-only --hold-version K
             adapter = self.hold.select(adapter)
             if adapter is None:
                 return
+        t0 = time.perf_counter()
+        self._load_into_engine(adapter)
+        verdict = self._canary(adapter)
+        if verdict is not None and not verdict.passed:  # once more: a load can fail transiently
+            self._load_into_engine(adapter)
+            verdict = self._canary(adapter)
+        if verdict is not None:
+            self._report_canary(adapter.version, verdict, time.perf_counter() - t0)
+            if not verdict.passed:  # never spend GPU time on a version the engine did not really load
+                self.canary_refused = adapter.version
+                return
+        self.canary_refused = None
+        self.serving_version = adapter.version  # what batches are tagged with (== the newest unless --hold-version)
+        self.status.versions_loaded.append(adapter.version)
+        if not self.cfg.quiet:
+            self.out(f"[{self.name}] adapter v{adapter.version} loaded ({adapter.manifest.codec}, "
+                     f"{adapter.manifest.compressed_bytes} bytes)")
+
+    def _load_into_engine(self, adapter) -> None:
         try:
             self.engine.load_adapter(adapter.version, adapter.manifest.tensors, adapter.tensors)
         except (ValueError, RuntimeError) as exc:  # shapes/names that do not fit this base model
@@ -463,21 +616,53 @@ class Volunteer:
                 "ADAPTER_MISMATCH", f"the coordinator's adapter is for base model {adapter.manifest.base_model!r} "
                 f"(revision {adapter.manifest.base_revision}); it does not fit {getattr(self, 'model_name', '?')!r}: "
                 f"{str(exc)[:200]}") from None
-        self.serving_version = adapter.version  # what batches are tagged with (== the newest unless --hold-version)
-        self.status.versions_loaded.append(adapter.version)
-        if not self.cfg.quiet:
-            self.out(f"[{self.name}] adapter v{adapter.version} loaded ({adapter.manifest.codec}, "
-                     f"{adapter.manifest.compressed_bytes} bytes)")
+
+    def _canary(self, adapter):
+        """The engine's verdict on the version's canary (models/canary.py); None when the manifest has none
+        or the engine cannot score a given completion."""
+        canary, score = adapter.manifest.canary, getattr(self.engine, "score", None)
+        if canary is None or score is None:
+            return None
+        from asyncrl.models.canary import canary_tokens, judge
+
+        prompt, completion = canary_tokens(canary)
+        try:
+            scored = score(prompt, completion)
+        except Exception as exc:  # noqa: BLE001 - an engine that cannot score is not proof of a missing adapter
+            self.display.event("warning", f"[{self.name}] adapter v{adapter.version}: the canary could not be "
+                               f"scored ({exc.__class__.__name__}: {str(exc)[:200]}); going on without it")
+            return None
+        return judge(scored, canary, dtype=engine_dtype(self.engine))
+
+    def _report_canary(self, version: int, verdict, seconds: float) -> None:
+        """Tell the user (one line on failure) and the coordinator (a health report: with the next lease
+        request, or at once when we refuse the version and will ask for no work)."""
+        report = messages.CanaryReport(version=version, passed=verdict.passed, diff=round(verdict.diff, 6),
+                                       base_diff=round(verdict.base_diff, 6))
+        self.status.canary = {"version": version, "passed": verdict.passed, "diff": round(verdict.diff, 6),
+                              "base_diff": round(verdict.base_diff, 6), "seconds": round(seconds, 4)}
+        if verdict.passed:
+            self._canary_report = report
+            return
+        self.status.canary_failures += 1
+        self.display.event("warning", f"[{self.name}] {verdict.explain(version)}", code="CANARY_FAILED")
+        try:
+            self._rpc().call(adapter_version=getattr(self, "serving_version", 0), canary=report)
+        except Exception as exc:  # noqa: BLE001 - said again with the next request
+            self._canary_report = report
+            self.display.event("warning", f"could not report the failed canary yet ({exc})")
+
+    def _rpc(self):
+        from .lease_rpc import LeaseRpc
+
+        return LeaseRpc(self.node, self.identity, coordinator_peer_id=self.coordinator_peer_id,
+                        coordinator_key=self.coordinator_key, run_id=self.run_id, client_name=self.name)
 
     def _lease(self) -> tuple[list[messages.TaskLease], float]:
-        req = messages.LeaseRequest(run_id=self.run_id, max_prompts=self.sizer.want(),  # client/lease_sizing.py
-                                    adapter_version=self.serving_version, client_name=self.name,
-                                    client_version=handshake.package_version(),
-                                    seconds_per_prompt=self.sizer.reported_rate())
-        sealed = envelope.seal(self.identity, "lease_request", messages.encode(req), audience=self.coordinator_key)
-        raw = self.node.call(self.coordinator_peer_id, stream_name(self.run_id, streams.LEASE), sealed,
-                             max_response_bytes=limits.MAX_LEASE_GRANT_BYTES)
-        grant = messages.decode(raw, messages.LeaseGrant, max_bytes=limits.MAX_LEASE_GRANT_BYTES)
+        report, self._canary_report = self._canary_report, None
+        grant = self._rpc().call(adapter_version=self.serving_version, max_prompts=self.sizer.want(),
+                                 seconds_per_prompt=self.sizer.reported_rate(),  # client/lease_sizing.py
+                                 canary=report)
         self.granted_at = time.monotonic()
         self.latest_version = grant.current_version
         self.sizer.observe_grant(grant)
@@ -486,34 +671,32 @@ class Volunteer:
         self.max_batch_bytes = grant.max_batch_bytes or self.max_batch_bytes
         return list(grant.leases), grant.retry_after_s
 
+    def _fetch_work(self) -> "Work":
+        """One lease request; granted leases are renewed from now on (also while they wait for the engine)."""
+        from .lease_keeper import LeaseKeeper
+
+        leases, retry_after = self._lease()
+        keeper = LeaseKeeper(self._renew, leases).__enter__() if leases else None
+        return Work(leases, keeper, self.granted_at, retry_after)
+
     def _renew(self, lease_ids: list[str]) -> dict[str, float]:
         """One renewal-only lease request (client/lease_keeper.py): seconds left per lease id."""
-        req = messages.LeaseRequest(run_id=self.run_id, max_prompts=0, adapter_version=self.serving_version,
-                                    client_name=self.name, renew=tuple(lease_ids),
-                                    client_version=handshake.package_version())  # the gate applies to renewals too
-        sealed = envelope.seal(self.identity, "lease_request", messages.encode(req), audience=self.coordinator_key)
-        raw = self.node.call(self.coordinator_peer_id, stream_name(self.run_id, streams.LEASE), sealed,
-                             max_response_bytes=limits.MAX_LEASE_GRANT_BYTES)
-        grant = messages.decode(raw, messages.LeaseGrant, max_bytes=limits.MAX_LEASE_GRANT_BYTES)
+        grant = self._rpc().call(adapter_version=self.serving_version, renew=tuple(lease_ids))
         return {r.lease_id: r.expires_in_s for r in grant.renewed}
 
     def _goodbye(self) -> None:
         """Tell the coordinator we know the run is over (an empty request it answers RUN_FINISHED), so it
         need not linger for us (coordinator/run_end.py)."""
-        req = messages.LeaseRequest(run_id=self.run_id, max_prompts=0, adapter_version=self.serving_version,
-                                    client_name=self.name, client_version=handshake.package_version())
-        sealed = envelope.seal(self.identity, "lease_request", messages.encode(req), audience=self.coordinator_key)
         try:
-            self.node.call(self.coordinator_peer_id, stream_name(self.run_id, streams.LEASE), sealed,
-                           max_response_bytes=limits.MAX_LEASE_GRANT_BYTES, timeout=5)
+            self._rpc().call(adapter_version=self.serving_version, timeout=5)
         except Exception:  # noqa: BLE001 - RUN_FINISHED (expected), or it is gone already: we stop either way
             pass
 
     def _abandon(self, lease: messages.TaskLease, why: str, *, counter: str) -> None:
         """Give up one lease and go on with the rest: its group is not sent, the lease is not renewed (it
         expires and the prompt goes to someone else)."""
-        setattr(self.status, counter, getattr(self.status, counter) + 1)
-        self.status.leases_abandoned += 1
+        self._count(counter)
+        self._count("leases_abandoned")
         self.display.event("warning", f"[{self.name}] lease {lease.lease_id} (prompt {lease.prompt_id}) "
                            f"abandoned: {why}", code=counter)
 
@@ -591,7 +774,8 @@ class Volunteer:
             generated += self._generate([lease], group_size, sampling)
         return generated, [], None
 
-    def _release(self, leases: list[messages.TaskLease], reason: str | None, *, unscorable: bool = False) -> None:
+    def _release(self, leases: list[messages.TaskLease], reason: str | None, *, unscorable: bool = False,
+                 reward_error: str = "") -> None:
         """Give leases back (a LeaseRequest with `release`): their prompts go to someone else now, instead
         of waiting out the lease timeout (coordinator/taskboard.py `release`). With `unscorable` they are
         leases whose groups our reward check could not score (`LeaseRequest.unscorable`): the coordinator
@@ -600,14 +784,10 @@ class Volunteer:
         from asyncrl.swarm.transport import TransportError
 
         ids = tuple(l.lease_id for l in leases)
-        req = messages.LeaseRequest(run_id=self.run_id, max_prompts=0, adapter_version=self.serving_version,
-                                    client_name=self.name, client_version=handshake.package_version(),
-                                    **({"unscorable": ids} if unscorable else {"release": ids}))
         for attempt in range(2):
-            sealed = envelope.seal(self.identity, "lease_request", messages.encode(req), audience=self.coordinator_key)
             try:
-                self.node.call(self.coordinator_peer_id, stream_name(self.run_id, streams.LEASE), sealed,
-                               max_response_bytes=limits.MAX_LEASE_GRANT_BYTES)
+                self._rpc().call(adapter_version=self.serving_version, reward_error=reward_error,
+                                 **({"unscorable": ids} if unscorable else {"release": ids}))
             except TransportError as exc:
                 if attempt == 0:
                     self.stop.wait(RELEASE_RETRY_S)
@@ -620,8 +800,8 @@ class Volunteer:
             if unscorable:
                 self.display.event("info", f"[{self.name}] reported {len(ids)} leases we could not score ({reason})")
                 return
-            self.status.leases_returned += len(ids)
-            self.display.event("info", f"[{self.name}] pausing ({reason}): returned {len(ids)} unfinished leases")
+            self._count("leases_returned", len(ids))
+            self.display.event("info", f"[{self.name}] returned {len(ids)} unfinished leases ({reason})")
             return
 
     def _pause(self, reason: str) -> None:
@@ -636,47 +816,62 @@ class Volunteer:
         self.status.state, self.status.pause_reason = "working", ""
         self.display.event("info", f"[{self.name}] resumed after {time.monotonic() - t0:.0f} s")
 
-    def _work(self, leases: list[messages.TaskLease]) -> int:
-        """Generate and score the leased prompts, spool the batch; returns the number of groups spooled."""
+    def _generate_work(self, work: "Work") -> float:
+        """Engine thread: generate every leased prompt in one engine call; returns the seconds it took."""
+        work.version = self.serving_version  # what the batch is tagged with: the adapter it was generated with
+        if FAULT.startswith("slow-generate:"):  # test-only: an honest but slow GPU (tests/integration/test_long_work.py)
+            self.stop.wait(float(FAULT.split(":", 1)[1]))
+        t0 = time.perf_counter()
+        self.status.state = "generating"
+        work.generated, work.unfinished, work.reason = self._generate_politely(
+            work.leases, work.leases[0].group_size, work.leases[0].sampling)
+        busy = time.perf_counter() - t0
+        self.status.engine_busy_s += busy
+        self.status.state = "working"
+        if work.unfinished:  # paused mid-lease: the rest goes back to the coordinator now, before we rest
+            self._release(work.unfinished, work.reason)
+        return busy
+
+    def _finish_work(self, work: "Work") -> int:
+        """Scorer (off the engine thread): score each group, leave out lost leases, spool the batch, wake the
+        uploader; returns the number of groups spooled. The keeper renews the leases until the batch is
+        built: a reward check can take its whole time limit per group (a stuck math check: 10 s)."""
         from asyncrl import tasks
 
-        from .lease_keeper import LeaseKeeper
+        from .outbox import OutboxFull
 
-        sampling = leases[0].sampling
-        group_size = leases[0].group_size
-        version = self.serving_version
-        # Scoring runs under the keeper too: a reward check can take its whole time limit per group (a
-        # stuck math check: 10 s), and a lease must not expire between generation and upload because of it.
-        with LeaseKeeper(self._renew, leases) as keeper:
-            if FAULT.startswith("slow-generate:"):  # test-only: an honest but slow GPU (tests/integration/test_long_work.py)
-                self.stop.wait(float(FAULT.split(":", 1)[1]))
-            generated, unfinished, reason = self._generate_politely(leases, group_size, sampling)
-            results = []
-            for lease, group in generated:
+        results = []
+        try:
+            for lease, group in work.generated:
                 texts = [self.engine.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in group]
                 prompt = tasks.Prompt(lease.prompt_id, lease.prompt, lease.answer, lease.reward, lease.columns)
                 if is_episode_lease(lease):  # the environment scored its episodes as they were played
                     results.append((lease, group, [s.reward for s in group]))
                     continue
                 try:  # the coordinator re-scores with this same call (coordinator/ingest.py)
-                    results.append((lease, group, tasks.score_group(prompt, texts, [s.token_ids for s in group]).rewards))
+                    results.append((lease, group, tasks.score_group(prompt, texts, [s.token_ids for s in group],
+                                                                   version=work.version).rewards))
                 except Exception as exc:  # noqa: BLE001 - a broken reward costs its group, not the volunteer
                     results.append((lease, group, exc))
-        self.status.lease_renewals += keeper.renewals
-        if unfinished:  # paused mid-lease: the rest goes back to the coordinator now, not at expiry
-            self._release(unfinished, reason)
-        groups, unscored = [], []
+        finally:
+            work.keeper.finish()
+        keeper = work.keeper
+        self._count("lease_renewals", keeper.renewals)
+        groups, unscored, raised, lost = [], [], [], 0
         for lease, group, scored in results:
             if lease.lease_id in keeper.lost:
                 self._abandon(lease, "the coordinator no longer holds it for us (expired)", counter="leases_lost")
+                lost += 1
                 continue
             if isinstance(scored, Exception):
                 exc = scored
+                why = f"reward {lease.reward!r} failed: {exc.__class__.__name__}: {str(exc)[:300]}"
                 if isinstance(exc, tasks.Unscorable):  # our verifier could not finish: send nothing rather than a guess
-                    self.status.groups_unscorable += 1
+                    self._count("groups_unscorable")
                     unscored.append(lease)
-                self._abandon(lease, f"reward {lease.reward!r} failed: {exc.__class__.__name__}: {str(exc)[:300]}",
-                              counter="reward_errors")
+                else:  # the reward function itself raised: the operator must see it (coordinator's log, dashboard)
+                    raised.append((lease, why))
+                self._abandon(lease, why, counter="reward_errors")
                 continue
             comps = []
             for s, reward in zip(group, scored):
@@ -691,17 +886,43 @@ class Volunteer:
                                                 prompt_token_ids=lease.prompt_token_ids, completions=tuple(comps)))
         if unscored:  # said at once: the prompt goes to someone else now, and a poison prompt gets retired
             self._release(unscored, "reward check did not finish", unscorable=True)
+        if raised:
+            self._release([l for l, _ in raised], "reward raised",
+                          reward_error=raised[0][1][:limits.MAX_REWARD_ERROR_CHARS])
+        tried = len(work.leases) - len(work.unfinished)  # a pause returns the rest
         if not groups:
+            if lost:  # grant to losing it: the sizer learns this machine is too slow for what it asked
+                self._measured(tried, work.granted_at)
             return 0
-        batch = messages.RolloutBatch(run_id=self.run_id, adapter_version=version, client_name=self.name,
-                                      sampling=sampling, groups=tuple(groups), generated_at=time.time(),
+        batch = messages.RolloutBatch(run_id=self.run_id, adapter_version=work.version, client_name=self.name,
+                                      sampling=work.leases[0].sampling, groups=tuple(groups), generated_at=time.time(),
                                       engine_dtype=engine_dtype(self.engine), engine_kind=engine_kind(self.engine))
-        spooled = self._spool(batch)
-        if FAULT == "pause-after-spool":
-            (self.cfg.data_dir / "FAULT_PAUSED").write_text(spooled[0].hex())
-            while True:  # wait here to be SIGKILLed by the test
-                time.sleep(1)
+        try:
+            spooled = self._spool(batch)
+        except OutboxFull as exc:  # the disk cap: these leases expire; the engine thread pauses near the cap
+            self.display.event("warning", str(exc))
+            return 0
+        pending = PendingAck(tried, work.granted_at)
+        for batch_id in spooled:
+            self._awaiting_ack[batch_id] = pending
+        self._write_status()
+        self._kick_uploads()
         return len(groups)
+
+    def _measured(self, prompts: int, granted_at: float) -> None:
+        """Grant to ack (or to losing the leases), per prompt: the sizer's measurement (client/lease_sizing.py)."""
+        self.sizer.measured(prompts, time.monotonic() - granted_at)
+        self.status.seconds_per_prompt = round(self.sizer.seconds_per_prompt, 3)
+
+    def _count(self, counter: str, n: int = 1) -> None:
+        """Status counters bumped from more than one thread (engine, scorer, uploader)."""
+        with self._counter_lock:
+            setattr(self.status, counter, getattr(self.status, counter) + n)
+
+    def _count_code(self, field_name: str, code: str) -> None:
+        with self._counter_lock:  # _write_status copies these dicts under the same lock
+            counts = getattr(self.status, field_name)
+            counts[code] = counts.get(code, 0) + 1
 
     def _spool(self, batch: messages.RolloutBatch) -> list[bytes]:
         """Write `batch` to the outbox (split by groups if it would exceed the coordinator's cap)."""
@@ -719,15 +940,24 @@ class Volunteer:
                            groups=len(batch.groups))
         return [batch_id]
 
-    def flush(self) -> None:
+    def flush(self) -> bool:
         """Upload every spooled batch, oldest first, each sealed afresh; stop early when the coordinator
-        says "later" (busy, clock) and raise TransportError when it cannot be reached."""
-        for batch_id in self.outbox.pending():
-            payload = self.outbox.read(batch_id)
-            if payload is None:
-                continue
-            if not self._upload(batch_id, payload):
-                return
+        says "later" (busy, clock) and raise TransportError when it cannot be reached. True when it got
+        through the outbox. One flush at a time (the uploader thread, or the engine thread at start and end)."""
+        with self._flush_lock:
+            sent = self.status.batches_sent
+            try:
+                for batch_id in self.outbox.pending():
+                    payload = self.outbox.read(batch_id)
+                    if payload is None:
+                        continue
+                    if not self._upload(batch_id, payload):
+                        return False
+                self._upload_backoff = 1.0
+                return True
+            finally:
+                if self.status.batches_sent != sent and self._uploader is not None:
+                    self._write_status()  # the engine thread writes it too, but may be waiting for work
 
     def _upload(self, batch_id: bytes, payload: bytes) -> bool:
         """One upload attempt; False = stop this flush (retry later)."""
@@ -749,21 +979,26 @@ class Volunteer:
 
     def _settle(self, batch_id: bytes, payload: bytes, code: str | None, detail: str, receipt: bytes = b"") -> bool:
         short = batch_id.hex()[:12]
+        self._settled.set()
         if code is None:
             self.status.batches_acked += 1
             self._keep_receipt(batch_id, receipt)  # on disk before the batch leaves the outbox
             self.outbox.remove(batch_id)
+            pending = self._awaiting_ack.pop(batch_id, None)
+            if pending is not None and not pending.measured:  # the first part of a (split) batch to be acked
+                pending.measured = True
+                self._measured(pending.prompts, pending.granted_at)
             self._internal_failures.pop(batch_id, None)
             self.display.event("acked", f"[{self.name}] batch {short} acked", batch_id=batch_id.hex())
             return True
         if code in RETRY_LATER:
-            self.status.batches_deferred[code] = self.status.batches_deferred.get(code, 0) + 1
+            self._count_code("batches_deferred", code)
             hint = " (is this machine's clock right?)" if code == RejectCode.EXPIRED.value else ""
             self.display.event("deferred", f"[{self.name}] batch {short} kept for later: {code} {detail}{hint}",
                                code=code, batch_id=batch_id.hex())
             return False
         if code in RETRY_BATCH:
-            self.status.batches_deferred[code] = self.status.batches_deferred.get(code, 0) + 1
+            self._count_code("batches_deferred", code)
             failures = self._internal_failures[batch_id] = self._internal_failures.get(batch_id, 0) + 1
             if failures < MAX_INTERNAL_RETRIES:
                 self.outbox.requeue(batch_id)  # the others go first
@@ -775,7 +1010,7 @@ class Volunteer:
         if code == RejectCode.RUN_FINISHED.value:
             self.status.run_finished = True  # what is still spooled can no longer be trained: dropped, counted
         if code in FINAL_REJECTS:
-            self.status.batches_rejected[code] = self.status.batches_rejected.get(code, 0) + 1
+            self._count_code("batches_rejected", code)
             self.outbox.remove(batch_id)
             self.display.event("rejected", f"[{self.name}] batch {short} rejected: {code} {detail}", code=code,
                                batch_id=batch_id.hex())
@@ -832,10 +1067,13 @@ class Volunteer:
         from asyncrl.protocol.atomic import write_json_atomic
 
         swarm = self.swarm.stats() if getattr(self, "swarm", None) is not None else None
-        write_json_atomic(self.cfg.data_dir / "status.json",
-                          {**asdict(self.status), "outbox": len(self.outbox), "outbox_pending": [
-                              b.hex() for b in self.outbox.pending()[:256]],
-                           "run_id": self.run_id, "swarm": swarm, "coordinator_peer_id": self.coordinator_peer_id})
+        with self._status_lock:  # written by the engine, scorer and uploader threads: one snapshot at a time
+            with self._counter_lock:
+                status = asdict(self.status)
+            write_json_atomic(self.cfg.data_dir / "status.json",
+                              {**status, "outbox": len(self.outbox), "outbox_pending": [
+                                  b.hex() for b in self.outbox.pending()[:256]],
+                               "run_id": self.run_id, "swarm": swarm, "coordinator_peer_id": self.coordinator_peer_id})
 
     def shutdown(self) -> None:
         if getattr(self, "swarm", None) is not None:

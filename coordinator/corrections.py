@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from .loss import LossConfig
+    from .loss_config import LossConfig
 
 
 @dataclass

@@ -32,6 +32,26 @@ ENV_PREFIX = "env:"  # envs.ENV_PREFIX; asyncrl.envs itself is imported only whe
 replay_ms: deque[float] = deque(maxlen=1024)  # per episode, newest last
 
 
+def environment_pin(task: str) -> str:
+    """The handshake's pin of the run's environment (JSON, envs/base.py `pin`), "" for other tasks."""
+    if not task.startswith(ENV_PREFIX):
+        return ""
+    import json
+
+    from asyncrl import envs
+
+    return json.dumps(envs.pin(task[len(ENV_PREFIX):].partition(":")[0]), sort_keys=True)
+
+
+def replay_metrics() -> dict:
+    """For the learner's `step` event (metrics.jsonl, the dashboard's /status and /metrics): the median replay
+    time per episode over the recent ones; {} in a run without episodes."""
+    if not replay_ms:
+        return {}
+    recent = sorted(replay_ms)
+    return {"episode_replay_ms": recent[len(recent) // 2]}
+
+
 def is_episode_lease(lease) -> bool:
     return lease.prompt.reward.startswith(ENV_PREFIX)
 

@@ -60,18 +60,13 @@ hand-computed values (tests/coordinator/test_loss.py, tests/coordinator/test_mic
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
+
+from .loss_config import LossConfig, ScaleRewards  # LossConfig is also imported from here by tests and benches
 
 if TYPE_CHECKING:
     import torch
-# torch is imported inside the functions: the coordinator's config (and so `--help`) imports LossConfig.
-
-LossType = Literal["grpo", "dr_grpo", "dapo"]
-Correction = Literal["clip", "tis-token", "tis-sequence", "aipo", "m2po", "decoupled", "none"]
-CORRECTIONS = ("clip", "tis-token", "tis-sequence", "aipo", "m2po", "decoupled", "none")
-ScaleRewards = Literal["group", "none"]
-StaleWeighting = Literal["none", "decay"]
-
+# torch is imported inside the functions: the coordinator's config (and so `--help`) imports this module's neighbours.
 
 R_LOG_CAP = 50.0
 """log(pi/mu) is capped here in the second-moment / ESS sums (float64, all-reduced under DDP)."""
@@ -87,53 +82,6 @@ def staleness_bands(gaps: torch.Tensor) -> torch.Tensor:
 
     uppers = torch.tensor([hi for _, hi in STALENESS_BANDS[:-1]], device=gaps.device)
     return torch.bucketize(gaps.clamp(min=0), uppers, right=False)
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    loss_type: LossType = "grpo"
-    correction: Correction = "decoupled"
-    epsilon: float = 0.2
-    epsilon_high: float = 0.28
-    is_cap: float = 2.0  # tis-*, decoupled: truncation cap of the IS weight
-    dual_clip: float = 3.0  # clip/m2po/decoupled: dual-clip constant c for A < 0 (Ye et al. 2020); 0 = off
-    aipo_cap: float = 8.0  # aipo: ratio cap delta (prime-rl's clip_ratio default)
-    m2_threshold: float = 0.04  # m2po: tau, the bound on the kept tokens' mean (log r)^2
-    prox_lag: int = 4  # decoupled: the proximal policy (trust-region anchor) is at most this many versions behind
-    stale_weighting: StaleWeighting = "none"  # per-row weights by version gap, corrections.decay_row_weights.
-    stale_half_life: float = 8.0  # stale_weighting "decay": versions for a row's weight to halve
-    scale_rewards: ScaleRewards = "group"
-    max_completion_length: int = 1024  # dr_grpo's normaliser and the overlong penalty's L_max; follows max_new_tokens
-    beta: float = 0.0  # KL coefficient; 0 = no reference model forward at all
-    mask_truncated: bool = False  # DAPO overlong filtering: completions cut at max_new_tokens contribute no loss
-    overlong_buffer: int = 0  # DAPO soft overlong punishment over the last L_cache tokens (0 = off)
-    overlong_factor: float = 1.0  # scale of that penalty (DAPO: 1.0)
-
-    def validate(self) -> "LossConfig":
-        """Raise ValueError naming the first bad field (the coordinator config wraps it)."""
-        checks = [
-            (self.loss_type in ("grpo", "dr_grpo", "dapo"), "loss_type must be grpo, dr_grpo or dapo"),
-            (self.correction in CORRECTIONS, "correction must be one of " + ", ".join(CORRECTIONS)),
-            (0.0 < self.epsilon < 1.0, "epsilon must be in (0, 1)"),
-            (self.epsilon_high > 0.0, "epsilon_high must be > 0"),
-            (self.is_cap >= 1.0, "is_cap must be >= 1"),
-            (self.dual_clip == 0.0 or self.dual_clip > 1.0, "dual_clip must be 0 (off) or > 1"),
-            (self.aipo_cap >= 1.0, "aipo_cap must be >= 1"),
-            (self.m2_threshold > 0.0, "m2_threshold must be > 0"),
-            (self.prox_lag >= 1, "prox_lag must be >= 1"),
-            (self.stale_weighting in ("none", "decay"), "stale_weighting must be none or decay"),
-            (self.stale_half_life > 0.0, "stale_half_life must be > 0"),
-            (self.scale_rewards in ("group", "none"), "scale_rewards must be group or none"),
-            (self.max_completion_length >= 1, "max_completion_length must be >= 1"),
-            (self.beta >= 0.0, "beta must be >= 0"),
-            (0 <= self.overlong_buffer < self.max_completion_length,
-             "overlong_buffer must be in [0, max_completion_length)"),
-            (self.overlong_factor >= 0.0, "overlong_factor must be >= 0"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
-        return self
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, scale: ScaleRewards = "group",
@@ -286,17 +234,21 @@ class LossStats:
 
 
 class LossTotals:
-    """Statistics summed over a step's micro-batches (and, under DDP, over ranks: `as_tensors`/`from_tensors`),
-    so a micro-batched step reports exactly what the full-batch step would. Means are per masked token."""
+    """Statistics summed over a step's micro-batches (and, under DDP, over ranks: `as_tensors`/`load_tensors`),
+    so a micro-batched step reports exactly what the full-batch step would. Means are per masked token.
+
+    The sums stay on the device the micro-batches are on (one float64 vector, plus the ratio max / min) and
+    reach the host once, when `sums` or `stats()` first reads them: no host sync per micro-batch."""
 
     SUMS = ("loss", "tokens", "clip_low", "clip_high", "ratio", "weight", "truncated", "kl", "entropy",
             "log_r2", "r1", "r2", "masked") + tuple(f"{kind}@{band}" for band in STALENESS_BAND_LABELS
                                                      for kind in ("masked", "tokens"))
 
     def __init__(self) -> None:
-        self.sums = dict.fromkeys(self.SUMS, 0.0)
-        self.ratio_max = float("-inf")
-        self.ratio_min = float("inf")
+        self._sums = None  # float64 [len(SUMS) + 1] (the last: entropy seen), on the micro-batches' device
+        self._hi = None    # float64 [1]: max ratio over masked tokens
+        self._lo = None
+        self._read: tuple[dict, float, float, bool] | None = None
         self.has_entropy = False
 
     def add(self, loss: torch.Tensor, terms: TokenTerms, advantages: torch.Tensor, mask: torch.Tensor,
@@ -307,68 +259,98 @@ class LossTotals:
             on = mask > 0
             m = on.to(torch.float32)
             adv = advantages.unsqueeze(1)
-            s = self.sums
-            s["loss"] += float(loss.detach())
-            s["tokens"] += float(m.sum())
+            zero = torch.zeros((), dtype=torch.float64, device=mask.device)
+            s = {"loss": loss.detach(), "tokens": m.sum()}
             if cfg.correction in ("clip", "decoupled"):  # the only corrections with a PPO band
-                s["clip_low"] += float(((terms.ratio < 1.0 - cfg.epsilon) & (adv < 0) & on).sum())
-                s["clip_high"] += float(((terms.ratio > 1.0 + cfg.epsilon_high) & (adv > 0) & on).sum())
+                s["clip_low"] = ((terms.ratio < 1.0 - cfg.epsilon) & (adv < 0) & on).sum()
+                s["clip_high"] = ((terms.ratio > 1.0 + cfg.epsilon_high) & (adv > 0) & on).sum()
             if terms.log_behaviour is not None:
                 lr = terms.log_behaviour.detach().double()[on].clamp(max=R_LOG_CAP)
-                s["log_r2"] += float(lr.pow(2).sum())
-                s["r1"] += float(torch.exp(lr).sum())
-                s["r2"] += float(torch.exp(2 * lr).sum())
+                s["log_r2"] = lr.pow(2).sum()
+                s["r1"] = torch.exp(lr).sum()
+                s["r2"] = torch.exp(2 * lr).sum()
             if terms.no_grad is not None:
                 masked = terms.no_grad & on
-                s["masked"] += float(masked.sum())
+                s["masked"] = masked.sum()
                 if terms.staleness is not None:
                     bands = staleness_bands(terms.staleness).to(on.device)
                     for b, label in enumerate(STALENESS_BAND_LABELS):
                         rows = (bands == b).unsqueeze(1)
-                        s[f"tokens@{label}"] += float((on & rows).sum())
-                        s[f"masked@{label}"] += float((masked & rows).sum())
-            s["ratio"] += float((terms.behaviour * m).sum())
-            s["weight"] += float((terms.weight * m).sum())
-            s["truncated"] += float((terms.truncated * m).sum())
+                        s[f"tokens@{label}"] = (on & rows).sum()
+                        s[f"masked@{label}"] = (masked & rows).sum()
+            s["ratio"] = (terms.behaviour * m).sum()
+            s["weight"] = (terms.weight * m).sum()
+            s["truncated"] = (terms.truncated * m).sum()
             if terms.kl is not None:
-                s["kl"] += float((terms.kl * m).sum())
+                s["kl"] = (terms.kl * m).sum()
             if entropy is not None:
                 self.has_entropy = True
-                s["entropy"] += float((entropy * m).sum())
-            if bool(on.any()):
-                self.ratio_max = max(self.ratio_max, float(terms.behaviour[on].max()))
-                self.ratio_min = min(self.ratio_min, float(terms.behaviour[on].min()))
+                s["entropy"] = (entropy * m).sum()
+            vec = torch.stack([s[k].to(torch.float64) if k in s else zero for k in self.SUMS]
+                              + [zero + float(self.has_entropy)])
+            behaviour = terms.behaviour.detach().to(torch.float64)
+            hi = torch.where(on, behaviour, float("-inf")).amax().reshape(1)
+            lo = torch.where(on, behaviour, float("inf")).amin().reshape(1)
+            if self._sums is None:
+                self._sums, self._hi, self._lo = vec, hi, lo
+            else:
+                self._sums = self._sums + vec
+                self._hi, self._lo = torch.maximum(self._hi, hi), torch.minimum(self._lo, lo)
+            self._read = None
 
     def as_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(sums, [max], [min]) as float64 tensors, for SUM / MAX / MIN all-reduces."""
+        """(sums, [max], [min]) as float64 tensors (on the micro-batches' device; CPU zeros when nothing was
+        added), for SUM / MAX / MIN all-reduces."""
         import torch
 
-        sums = torch.tensor([self.sums[k] for k in self.SUMS] + [float(self.has_entropy)], dtype=torch.float64)
-        return sums, torch.tensor([self.ratio_max], dtype=torch.float64), torch.tensor([self.ratio_min],
-                                                                                         dtype=torch.float64)
+        if self._sums is None:
+            return (torch.zeros(len(self.SUMS) + 1, dtype=torch.float64),
+                    torch.tensor([float("-inf")], dtype=torch.float64), torch.tensor([float("inf")], dtype=torch.float64))
+        return self._sums, self._hi, self._lo
 
     def load_tensors(self, sums, hi, lo) -> None:
-        values = sums.tolist()
-        self.sums = dict(zip(self.SUMS, values[:-1]))
-        self.has_entropy = values[-1] > 0
-        self.ratio_max, self.ratio_min = float(hi[0]), float(lo[0])
+        self._sums, self._hi, self._lo = sums, hi.reshape(1), lo.reshape(1)
+        self._read = None
+
+    def _host(self) -> tuple[dict, float, float, bool]:
+        """The one host read of a step's statistics."""
+        if self._read is None:
+            import torch
+
+            sums, hi, lo = self.as_tensors()
+            values = torch.cat([sums, hi.to(sums.device), lo.to(sums.device)]).tolist()
+            n = len(self.SUMS)
+            self._read = (dict(zip(self.SUMS, values[:n])), values[n + 1], values[n + 2], values[n] > 0)
+        return self._read
+
+    @property
+    def sums(self) -> dict[str, float]:
+        return self._host()[0]
+
+    @property
+    def ratio_max(self) -> float:
+        return self._host()[1]
+
+    @property
+    def ratio_min(self) -> float:
+        return self._host()[2]
 
     def stats(self, loss=None) -> LossStats:
-        s = self.sums
+        s, ratio_max, ratio_min, has_entropy = self._host()
         n = max(1.0, s["tokens"])
         empty = s["tokens"] == 0
         return LossStats(
             loss=loss if loss is not None else s["loss"],
             clip_fraction=(s["clip_low"] + s["clip_high"]) / n,
             ratio_mean=1.0 if empty else s["ratio"] / n,
-            ratio_max=1.0 if empty else self.ratio_max,
-            ratio_min=1.0 if empty else self.ratio_min,
+            ratio_max=1.0 if empty else ratio_max,
+            ratio_min=1.0 if empty else ratio_min,
             is_weight_mean=s["weight"] / n,
             is_truncated_fraction=s["truncated"] / n,
             clip_low_fraction=s["clip_low"] / n,
             clip_high_fraction=s["clip_high"] / n,
             kl_mean=s["kl"] / n,
-            entropy_mean=s["entropy"] / n if self.has_entropy else None,
+            entropy_mean=s["entropy"] / n if has_entropy else None,
             log_ratio_m2=s["log_r2"] / n,
             is_weight_m2=1.0 if empty else s["r2"] / n,
             ess=1.0 if empty or s["r2"] <= 0 else s["r1"] ** 2 / (n * s["r2"]),

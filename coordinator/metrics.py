@@ -32,6 +32,7 @@ from collections import Counter, deque
 from typing import Callable
 
 from .plots import SMOOTH_WINDOW, moving_average
+from .reward_log import per_reward_table
 
 LIVE_WINDOW_S = 120.0
 """A volunteer counts as live when it leased or uploaded within this many seconds."""
@@ -80,9 +81,10 @@ class RunStats:
                     "groups": fields.get("groups", 0), "clip_fraction": fields.get("clip_fraction"),
                     "seconds": fields.get("seconds"), "grad_norm": fields.get("grad_norm"),
                     "entropy": fields.get("entropy_mean"), "lr": fields.get("lr"),
-                    "tokens_per_s": fields.get("tokens_per_s"),
+                    "tokens_per_s": fields.get("tokens_per_s"), "episode_replay_ms": fields.get("episode_replay_ms"),
                     **{k: fields.get(k) for k in OFF_POLICY_FIELDS},
-                    "masked_by_staleness": dict(fields.get("masked_by_staleness") or {})})
+                    "masked_by_staleness": dict(fields.get("masked_by_staleness") or {}),
+                    "rewards": per_reward_table(fields)})  # {name: {"mean", "std"}} (coordinator/reward_log.py)
                 self.groups_trained += fields.get("groups", 0)
                 self.groups_dropped_stale += fields.get("dropped_stale", 0)
                 self.staleness_counts.update(stale)
@@ -128,6 +130,7 @@ class RunStats:
                 "steps": last["step"] if last else 0,
                 "last_step": last,
                 "reward_moving_avg": avg[-1] if avg else None,
+                "per_reward": last["rewards"] if last else {},  # the last step's {name: {"mean", "std"}}
                 "smooth_window": SMOOTH_WINDOW,
                 "groups_trained": self.groups_trained,
                 "groups_dropped_stale": self.groups_dropped_stale,
@@ -235,6 +238,9 @@ class SwarmCollector:
         yield gauge("learner_token_entropy", "Mean policy entropy (nats) over the latest step's completion tokens.",
                     last.get("entropy"))
         yield gauge("learner_lr", "Learning rate used by the latest step.", last.get("lr"))
+        yield gauge("ingest_episode_replay_ms", "Median time ingest spent replaying one multi-turn episode "
+                    "(coordinator/episodes.py), recent episodes; absent without episodes.",
+                    last.get("episode_replay_ms"))
         yield gauge("learner_step_tokens_per_second", "Tokens (prompt + completion) through forward and backward "
                     "per second of the latest step.", last.get("tokens_per_s"))
         hist = HistogramMetricFamily("asyncrl_learner_staleness_versions",
@@ -336,6 +342,7 @@ def volunteer_rows(clients: list[dict], *, version: int, rollouts_by_client: dic
             "accepted": int(c.get("accepted", 0)), "rejected": dict(c.get("rejected") or {}),
             "last_seen": seen, "age_s": max(0.0, now - seen) if seen else None,
             "live": bool(seen) and now - seen <= LIVE_WINDOW_S,
+            "canary": c.get("canary", ""),  # its last adapter-identity check (models/canary.py)
         })
     rows.sort(key=lambda r: -(r["last_seen"] or 0))
     return rows

@@ -45,6 +45,8 @@ def open_task(cfg, tokenizer, model_config):
     TaskSourceError / PreflightError name what to change."""
     from asyncrl.tasks.sources import open_source
 
+    if cfg.task.startswith("env:"):  # multi-turn episodes (envs/)
+        return open_env_task(cfg, tokenizer, model_config)
     source = open_source(cfg.task, seed=cfg.seed, tokenizer=tokenizer,
                          max_prompt_tokens=prompt_budget(model_config, cfg.max_new_tokens),
                          oversized=cfg.oversized_records, **cfg.task_options())
@@ -55,9 +57,42 @@ def open_task(cfg, tokenizer, model_config):
     return source
 
 
-def sealed_batch_bytes(*, prompts_per_lease: int, group_size: int, max_new_tokens: int, prompt_tokens: int) -> int:
+def open_env_task(cfg, tokenizer, model_config):
+    """`env:<name>[:records.jsonl]` (envs/source.py): an episode's transcript (model and environment turns) is up
+    to the environment's `max_total_tokens`, so that, not max_new_tokens (one turn's cap), sizes the context
+    and the batch checks; prompts are the environment's openings (the first 64 records rendered)."""
+    from asyncrl.envs.source import open_env_source
+    from asyncrl.tasks.sources import encode_prompt
+
+    source = open_env_source(cfg.task, seed=cfg.seed, tokenizer=tokenizer)
+    longest = max(len(encode_prompt(tokenizer, source._prompt(i).text)) for i in range(min(len(source.records), 64)))
+    transcript = max(cfg.max_new_tokens, source.limits.max_total_tokens)
+    if longest > prompt_budget(model_config, transcript):
+        raise PreflightError(f"an opening of {longest} tokens + an episode of up to {transcript} tokens exceeds the "
+                             f"model's context: lower the environment's max_total_tokens or use a longer-context model")
+    need = sealed_batch_bytes(prompts_per_lease=cfg.prompts_per_lease, group_size=cfg.group_size,
+                              max_new_tokens=transcript, prompt_tokens=longest, episodes=True)
+    if need > cfg.max_batch_bytes:
+        raise PreflightError(f"a full batch of episodes (up to {transcript} tokens each) may take {need} bytes > "
+                             f"max_batch_bytes={cfg.max_batch_bytes}: raise it or lower prompts_per_lease")
+    return source
+
+
+def context_needed(source, max_new_tokens: int) -> int:
+    """Tokens (prompt + completion) the longest sequence of this task needs, for the manifest: volunteers size
+    their engine's context to it. 0 (not said) without a checked record list, or when a record is a
+    multi-turn environment, whose context grows turn by turn."""
+    report, records = getattr(source, "report", None), getattr(source, "records", None)
+    if report is None or not records or any(r.reward.startswith("env:") for r in records):
+        return 0
+    return report.longest_prompt_tokens + max_new_tokens
+
+
+def sealed_batch_bytes(*, prompts_per_lease: int, group_size: int, max_new_tokens: int, prompt_tokens: int,
+                       episodes: bool = False) -> int:
     payload = messages.rollout_batch_bytes_bound(groups=prompts_per_lease, group_size=group_size,
-                                                 max_new_tokens=max_new_tokens, prompt_tokens=prompt_tokens)
+                                                 max_new_tokens=max_new_tokens, prompt_tokens=prompt_tokens,
+                                                 episodes=episodes)
     return envelope.sealed_size_bound("rollout_batch", payload)
 
 

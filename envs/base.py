@@ -141,15 +141,15 @@ def pin(name: str) -> dict:
     return {"name": name, "package": dist, "version": ver, "sha256": hashlib.sha256(source).hexdigest()}
 
 
-def check_pin(expected: dict) -> str | None:
-    """None when this machine's environment matches `expected` (a `pin`); else what to do, with the install
-    line (the volunteer prints it and does not start; nothing is anyone's fault)."""
+def check_pin(expected: dict) -> tuple[str, str] | None:
+    """None when this machine's environment matches `expected` (a `pin`); else (what differs, the install
+    line). The volunteer prints both and does not start; nothing is anyone's fault."""
     install = f"pip install '{expected.get('package', '?')}=={expected.get('version', '?')}'"
     try:
-        mine = pin(expected["name"])
+        mine = pin(str(expected.get("name", "")))
     except (UnknownEnv, ImportError) as exc:
-        return f"environment {expected.get('name')!r} is not installed here ({exc}); run: {install}"
+        return f"environment {expected.get('name')!r} is not installed here ({exc})", install
     if mine != expected:
-        return (f"environment {expected['name']!r} differs from the coordinator's: here {json.dumps(mine)}, "
-                f"there {json.dumps(expected)}; run: {install}")
+        return (f"environment {expected.get('name')!r} differs from the coordinator's: here {json.dumps(mine)}, "
+                f"there {json.dumps(expected)}"), install
     return None

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Iterator
 
 from asyncrl.tasks import Prompt
+from asyncrl.tasks.sources import TaskSource, TaskSourceError
 
-from .base import ENV_PREFIX, get_env
+from .base import ENV_PREFIX, UnknownEnv, get_env
 from .episode import guarded, seed_for
 from .render import Renderer
 
@@ -38,6 +39,35 @@ def read_records(path: str | Path) -> list[dict]:
                 raise ValueError(f"{path}:{n}: a record must be a JSON object")
             out.append(obj)
     return out
+
+
+class EnvSource(TaskSource):
+    """`--task env:<name>[:<records.jsonl>]`: the records in order, forever (prompt `i` plays record
+    i mod n with the seed of its id `<name>-<run seed>-<i>`), resumable by index like every task source.
+    An environment that needs no record (echo) runs on `[{}]`."""
+
+    def __init__(self, name: str, records: list[dict], tokenizer, seed: int = 0):
+        super().__init__()
+        if not records:
+            raise TaskSourceError(f"environment {name!r}: no records")
+        self.env, self.records, self.tokenizer, self.seed = name, records, tokenizer, seed
+        self.name = f"env_{name}"
+        self.limits = get_env(name).limits
+
+    def _prompt(self, index: int) -> Prompt:
+        return episode_prompt(self.env, self.records[index % len(self.records)], f"{self.env}-{self.seed}-{index}",
+                              self.tokenizer)
+
+
+def open_env_source(spec: str, *, seed: int, tokenizer) -> EnvSource:
+    """`env:<name>` or `env:<name>:<path.jsonl>` (TaskSourceError names what is wrong)."""
+    name, _, path = spec[len(ENV_PREFIX):].partition(":")
+    try:
+        get_env(name)
+        records = read_records(path) if path else [{}]
+    except (UnknownEnv, OSError, ValueError) as exc:
+        raise TaskSourceError(f"task {spec!r}: {exc}") from None
+    return EnvSource(name, records, tokenizer, seed)
 
 
 def episode_prompts(name: str, records: list[dict], tokenizer, *, run_seed: int = 0) -> Iterator[Prompt]:

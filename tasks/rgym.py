@@ -75,7 +75,7 @@ class SplitOptions:
     extractor: str = "answer_tags"
     generator: dict = field(default_factory=dict, compare=False)  # params parsed (filled by `resolved`)
 
-    def resolved(self) -> "SplitOptions":
+    def resolved(self) -> SplitOptions:
         eval_seed = self.seed + EVAL_SEED_OFFSET if self.eval_seed is None else self.eval_seed
         opts = SplitOptions(self.params, self.size, self.seed, self.eval_size, eval_seed, self.extractor,
                             parse_params(self.params))

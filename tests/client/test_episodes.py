@@ -106,3 +106,28 @@ def test_a_failing_environment_is_an_env_error(monkeypatch):
     monkeypatch.setitem(envs.base._CACHE, "echo", FailingEcho())
     with pytest.raises(envs.EnvError):
         generate_episodes(ScriptedEngine(tok, ["a"]), lease, 2, SAMPLING)
+
+
+class Answered:
+    """The part of client.checks.Handshake that environment_check reads."""
+
+    def __init__(self, environment: str):
+        from asyncrl.protocol.handshake import CoordinatorInfo
+
+        self.info = CoordinatorInfo(run_id="r", asyncrl_version="0.2.0", protocol=1, schema=2, time=0.0, window_s=1.0,
+                                    environment=environment)
+
+
+def test_a_volunteer_without_the_runs_environment_does_not_start():
+    import json
+
+    from asyncrl.client.checks import FAIL, PASS, environment_check
+    from asyncrl.coordinator.episodes import environment_pin
+
+    assert environment_check(Answered("")) is None  # a single-answer run
+    assert environment_check(Answered(environment_pin("env:echo"))).status == PASS
+    other = dict(json.loads(environment_pin("env:echo")), sha256="0" * 64)
+    check = environment_check(Answered(json.dumps(other)))
+    assert check.status == FAIL and check.fix.startswith("install it: pip install 'asyncrl==")
+    missing = environment_check(Answered(json.dumps({"name": "maze", "package": "maze-env", "version": "0.3"})))
+    assert missing.status == FAIL and missing.fix == "install it: pip install 'maze-env==0.3'"

@@ -71,3 +71,19 @@ def test_the_coordinator_cuts_oversized_requests_and_refuses_hopeless_ones(token
     assert board.counts()["leased"] == 2  # nothing leased to it
     unmeasured = grant(desk, sealed(Identity.generate(), coordinator, lease_request(8, 0.0)))
     assert len(unmeasured.leases) == 8  # no rate reported: only the usual limits
+
+
+def test_a_fast_engine_is_asked_enough_prompts_to_fill_its_batch_within_the_staleness_budget():
+    sizer = LeaseSizer(4)
+    sizer.engine_seqs = 256  # vLLM's max_num_seqs
+    sizer.observe_grant(messages.LeaseGrant(run_id="r", leases=(), current_version=0, lease_life_s=600))
+    sizer.measured(1, 0.5)
+    assert sizer.want() == 4  # group size not known yet: --prompts-per-batch
+    lease = messages.TaskLease(lease_id="l", prompt_id="p", prompt="x", answer="", reward="exact",
+                               prompt_token_ids=b"\0\0\0\0", group_size=16, sampling=messages.SamplingParams(),
+                               expires_at=0.0)
+    sizer.observe_grant(messages.LeaseGrant(run_id="r", leases=(lease,), current_version=0, lease_life_s=600))
+    assert sizer.want() == 16  # 256 sequences / 16 samples per prompt
+    sizer.observe_grant(messages.LeaseGrant(run_id="r", leases=(lease,), current_version=0, lease_life_s=600,
+                                            max_staleness=1, version_interval_s=1.0))
+    assert sizer.want() == 2  # the staleness budget (2 versions x 1 s) x 0.5 / 0.5 s per prompt wins

@@ -127,6 +127,22 @@ def test_defaults_are_for_a_real_model_and_tiny_gets_its_toy_preset():
     assert resolve_config({"model": "/data/my-model"}).max_new_tokens == CoordinatorConfig.max_new_tokens
 
 
+def test_the_named_smollm2_brings_its_cpu_sized_preset():
+    from asyncrl.coordinator.config import SMOLLM2_PRESET
+
+    small = resolve_config({}, cli("--model", "smollm2-135m-instruct"))
+    top = {k: v for k, v in SMOLLM2_PRESET.items() if k != "loss"}
+    assert {k: getattr(small, k) for k in top} == top
+    assert {k: getattr(small.loss, k) for k in SMOLLM2_PRESET["loss"]} == SMOLLM2_PRESET["loss"]
+    assert small.loss.max_completion_length == SMOLLM2_PRESET["max_new_tokens"]
+    assert small.dtype == "auto"  # fp32 on a CPU, bf16 on a GPU (models/lora.py resolve_placement)
+    # explicit values win, a [loss] table key by key: the preset's other loss settings stay
+    mixed = resolve_config({"model": "smollm2-135m-instruct", "loss": {"mask_truncated": False}}, cli("--lr", "1e-3"))
+    assert mixed.lr == 1e-3 and mixed.loss.mask_truncated is False
+    assert mixed.loss.loss_type == SMOLLM2_PRESET["loss"]["loss_type"]
+    assert resolve_config({"model": "/data/smollm2.gguf"}).max_new_tokens == CoordinatorConfig.max_new_tokens
+
+
 PRESETS = sorted((REPO / "configs").glob("qwen2.5-*.toml"))
 
 
@@ -144,13 +160,19 @@ def test_each_preset_parses_and_validates(path):
     assert cfg.inflight_groups >= cfg.groups_per_step and cfg.lease_timeout_s >= 300
 
 
-def test_dry_run_resolves_a_preset_without_starting_anything():
+def test_dry_run_resolves_a_preset_without_starting_anything(tmp_path):
     import json
     import subprocess
     import sys
 
+    missing = subprocess.run([sys.executable, "-m", "asyncrl.coordinator.cli", "run", "--config", str(PRESETS[1]),
+                              "--dry-run", "--task", str(tmp_path / "train.jsonl")], capture_output=True, text=True,
+                             timeout=60)
+    assert missing.returncode == 2 and "does not exist" in missing.stderr  # the preset's task file is yours to write
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1?", "answer": "2"}\n')
     r = subprocess.run([sys.executable, "-m", "asyncrl.coordinator.cli", "run", "--config", str(PRESETS[1]),
-                        "--dry-run", "--max-steps", "3"], capture_output=True, text=True, timeout=60)
+                        "--dry-run", "--max-steps", "3", "--task", str(tmp_path / "train.jsonl")],
+                       capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     resolved = json.loads(r.stdout)
     assert resolved["model"] == "Qwen/Qwen2.5-1.5B-Instruct" and resolved["max_steps"] == 3

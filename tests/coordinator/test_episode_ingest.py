@@ -162,3 +162,18 @@ def test_an_environment_failing_on_our_side_strikes_nobody(tokenizer, monkeypatc
 
 def test_ingest_spells_the_environment_prefix_as_envs_does():
     assert episodes.ENV_PREFIX == envs.ENV_PREFIX
+
+
+def test_replay_time_reaches_the_metrics(tokenizer):
+    from asyncrl.coordinator.metrics import RunStats
+
+    episodes.replay_ms.clear()
+    assert episodes.replay_metrics() == {}
+    ingest = make_ingest(tokenizer)
+    lease, sessions = play(ingest, tokenizer, ALICE)
+    assert ingest.handle(seal(ALICE, lease, sessions)).accepted
+    (ms,) = episodes.replay_metrics().values()
+    assert ms > 0 and len(episodes.replay_ms) == 2
+    metrics = RunStats(group_size=2)
+    metrics.observe("step", {"step": 1, "reward_mean": 1.0, **episodes.replay_metrics()})
+    assert metrics.steps[-1]["episode_replay_ms"] == ms

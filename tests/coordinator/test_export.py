@@ -15,6 +15,7 @@ so the bound has teeth.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -25,6 +26,7 @@ PROMPTS = ["rep:a=", "12+34=", "what is 7*6?"]
 GROUP, MAX_NEW = 4, 10
 TF_TOL = 1e-4
 VLLM_TOL = 2e-3
+TOKENIZER_IDS = 59  # len(tinymodel.build_tokenizer()): the tiny model's 64 embedding rows are padded past it
 
 
 class RecordingUploader:
@@ -41,45 +43,9 @@ class RecordingUploader:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A run directory with one real checkpoint of a non-trivial adapter (random B, one optimizer step)."""
-    import dataclasses
+    from .trained import trained_run
 
-    import torch
-
-    from asyncrl import tasks
-    from asyncrl.coordinator import checkpoint
-    from asyncrl.coordinator.ingest import Ingest
-    from asyncrl.coordinator.learner import Learner, TrainGroup
-    from asyncrl.coordinator.loss import LossConfig
-    from asyncrl.coordinator.taskboard import TaskBoard
-    from asyncrl.models import pinning
-    from asyncrl.models.tinymodel import write_tiny_model
-    from asyncrl.protocol.messages import LoraSpec
-
-    root = tmp_path_factory.mktemp("export")
-    model_dir = write_tiny_model(root / "tiny")
-    spec = LoraSpec(**LORA)
-    learner = Learner(str(model_dir), spec, lr=1e-2, loss=LossConfig(), max_staleness=None, seed=1)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in learner.model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
-    tok = learner.tokenizer
-    comps = [tok("a" * n)["input_ids"] for n in (3, 5, 7)]
-    learner.step([TrainGroup(tok("rep:a=")["input_ids"], comps, [[-1.0] * len(c) for c in comps], [0.0, 0.5, 1.0], 0)])
-    learner.version = 3
-    board = TaskBoard(tasks.get_task("repeat", 0), lease_timeout_s=60, max_leases_per_client=8)
-    ingest = Ingest(identity_public_key=bytes(32), run_id="r", board=board, tokenizer=tok, vocab_size=64,
-                    current_version=lambda: 3, max_batch_bytes=1 << 20, window_s=300)
-    pin = pinning.pin_directory(model_dir, name=str(model_dir))
-    run = root / "run"
-    checkpoint.save(checkpoint.Checkpointer(run / "checkpoints"), gate=checkpoint.Gate(), learner=learner,
-                    board=board, ingest=ingest,
-                    identity=checkpoint.identity_meta(run_id="r", base_model=pin.name, base_revision=pin.revision,
-                                                      lora=spec),
-                    export=checkpoint.AdapterExport(lora=spec, base_model=str(model_dir), revision=None,
-                                                    pin=dataclasses.asdict(pin)))
-    return {"run": run, "model": str(model_dir), "learner": learner, "spec": spec}
+    return trained_run(tmp_path_factory.mktemp("export"), LORA)
 
 
 @pytest.fixture(scope="module")
@@ -91,16 +57,19 @@ def samples(trained):
 
     engine = TransformersEngine(trained["model"], trained["spec"], seed=5)
     engine.load_adapter(3, *export_lora(trained["learner"].model, "fp32"))
+    assert len(engine.tokenizer) == TOKENIZER_IDS
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     out = engine.generate(prompts, GROUP, SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW))
     return [(p, s.token_ids, s.logprobs) for p, group in zip(prompts, out) for s in group]
 
 
 def teacher_forced(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    """Log-probs over the tokenizer's ids (TOKENIZER_IDS): the swarm's engines never sample the model's padded
+    embedding rows (client/engine.py), so a stock loader's softmax is compared with those rows left out."""
     import torch
 
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1, :TOKENIZER_IDS].float()
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1).tolist()
 
 
@@ -229,9 +198,11 @@ def _vllm_driver(request_path: str, result_path: str) -> None:
 
     req = json.loads(Path(request_path).read_text())
     llm = LLM(model=req["model"], dtype="float32", enable_lora=True, max_lora_rank=max(8, req["r"]), max_loras=1,
+              max_logprobs=-1,
               max_model_len=128, kv_cache_memory_bytes=64 << 20, enforce_eager=True, seed=0)
     lora = LoRARequest("exported", 1, req["adapter"])
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+    rows = llm.llm_engine.model_config.get_vocab_size()  # every id's prompt logprob: renormalised over the
+    params = SamplingParams(max_tokens=1, prompt_logprobs=rows, temperature=1.0, detokenize=False)  # tokenizer's
     inputs = [{"prompt_token_ids": p + t} for p, t in req["sequences"]]
     runs = []
     for with_adapter in (lora, None):
@@ -239,7 +210,9 @@ def _vllm_driver(request_path: str, result_path: str) -> None:
         per = []
         for (p, t), o in zip(req["sequences"], outs):
             seq = p + t
-            per.append([o.prompt_logprobs[i][seq[i]].logprob for i in range(len(p), len(seq))])
+            per.append([o.prompt_logprobs[i][seq[i]].logprob
+                        - math.log(sum(math.exp(lp.logprob) for tok, lp in o.prompt_logprobs[i].items()
+                                       if tok < TOKENIZER_IDS)) for i in range(len(p), len(seq))])
         runs.append(per)
     llm.llm_engine.engine_core.shutdown()
     Path(result_path).write_text(json.dumps([list(x) for x in zip(*runs)]))

@@ -39,6 +39,7 @@ def test_completion_logprobs_match_a_naive_full_softmax(tiny_path):
     with torch.no_grad():
         fast = learner._completion_logprobs(batch)
         logits = learner.model(input_ids=batch["ids"], attention_mask=batch["attn"]).logits / 0.7
+        logits = logits[..., :len(learner.tokenizer)]  # the tokenizer's ids: the padded rows are never sampled
         logp = torch.log_softmax(logits, dim=-1)
     for i in range(batch["ids"].shape[0]):
         p, n = int(batch["prompt_lens"][i]), int(batch["comp_lens"][i])
@@ -125,3 +126,12 @@ def test_soft_overlong_penalty_shapes_the_advantage(tiny_path):
     # lengths 4, 6, 8 against L_max 8, L_cache 4: penalties 0, -0.5, -1
     assert result.metrics["overlong_penalty_mean"] == pytest.approx(-0.5)
     assert result.reward_mean == pytest.approx(1.0)  # reported reward stays the task's
+
+
+def test_next_version_moves_the_staleness_yardstick(tiny_path):
+    learner = Learner(tiny_path, LORA, lr=1e-2, loss=LossConfig(), max_staleness=1)
+    assert learner.version == 0 and not learner.is_stale(0)
+    assert learner.next_version() == 1 and not learner.is_stale(0)
+    assert learner.next_version() == 2 and learner.is_stale(0) and not learner.is_stale(1)
+    result = learner.step(_groups(learner, 0, 1) + _groups(learner, 2, 1))
+    assert result.groups_used == 1 and result.groups_dropped_stale == 1

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
+from asyncrl.coordinator.base_model import resolve_model
 from asyncrl.coordinator.config_file import resolve_config
-from asyncrl.coordinator.service import resolve_model
 from asyncrl.models.tinymodel import write_tiny_model
 
 from tests.hub_cache import fake_hub_cache, hub_cache  # noqa: F401  (fixture)

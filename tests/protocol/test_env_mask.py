@@ -43,3 +43,14 @@ def test_bad_masks_are_malformed(mask, logprobs):
 
 def test_env_mismatch_is_a_stable_code():
     assert RejectCode("ENV_MISMATCH") is RejectCode.ENV_MISMATCH
+
+
+def test_the_batch_bound_covers_episode_masks():
+    n = 300
+    comp = messages.Completion(bytes(4 * n), bytes(4 * n), 0.5, "length", env_mask=bytes(n))
+    group = messages.RolloutGroup("l" * 128, "p" * 256, bytes(4 * 20), (comp,) * 4)
+    full = messages.RolloutBatch(run_id="r" * 128, adapter_version=0, client_name="c" * 128,
+                                 sampling=messages.SamplingParams(), groups=(group, group), generated_at=0.0)
+    shape = dict(groups=2, group_size=4, max_new_tokens=n, prompt_tokens=20)
+    size = len(messages.encode(full))
+    assert messages.rollout_batch_bytes_bound(**shape) < size <= messages.rollout_batch_bytes_bound(**shape, episodes=True)
