@@ -279,13 +279,24 @@ def bare_side(path: str, spec: dict, batches, *, device: str, dtype, micro_batch
     return out
 
 
+def coordinator_checkpointing() -> bool:
+    """The coordinator's default for gradient checkpointing (coordinator/config.py), which both sides follow."""
+    from asyncrl.coordinator.config import CoordinatorConfig
+
+    return CoordinatorConfig.__dataclass_fields__["gradient_checkpointing"].default
+
+
 def compare(shape: str, *, device: str, dtype, steps: int, batches: int, seed: int = 0, deadline: float | None = None,
-            micro_batch_tokens: int | None = None, gradient_checkpointing: bool = True,
+            micro_batch_tokens: int | None = None, gradient_checkpointing: bool | None = None,
             peak_tflops: float = 0.0) -> dict:
-    """Both sides of one shape, each alone; the figures bench/device_check.py and main() report."""
+    """Both sides of one shape, each alone; the figures bench/device_check.py and main() report.
+    `gradient_checkpointing` None: the coordinator's default."""
     import torch
 
     from asyncrl.coordinator.learner import rows_of
+
+    if gradient_checkpointing is None:
+        gradient_checkpointing = coordinator_checkpointing()
 
     spec = SHAPES[shape]
     mbt = micro_batch_tokens or spec["micro_batch_tokens"]
@@ -355,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     device, dtype = resolve_placement(a.device, a.dtype)
     out = compare(a.shape, device=device, dtype=dtype, steps=a.steps, batches=a.batches, seed=a.seed,
                   micro_batch_tokens=a.micro_batch_tokens or None,
-                  gradient_checkpointing=not a.no_gradient_checkpointing, peak_tflops=a.peak_tflops)
+                  gradient_checkpointing=False if a.no_gradient_checkpointing else None, peak_tflops=a.peak_tflops)
     out.pop("_lora")
     out.update(benchmark="learner_throughput", date=time.strftime("%Y-%m-%d %H:%M:%S"), threads=a.threads,
                goal_ratio_min=0.70, load_average=os.getloadavg())
