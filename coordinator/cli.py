@@ -170,6 +170,31 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def dry_run_task_problem(cfg) -> str | None:
+    """What --dry-run can check of the task without a model or the network: a JSONL task file exists and
+    every record (and every reward it names, with the columns it has) is valid; a saved dataset directory
+    exists. Hub datasets are not fetched; other task kinds are checked when the coordinator starts."""
+    from pathlib import Path
+
+    from asyncrl.tasks import sources, toy
+
+    spec = cfg.task
+    if spec in toy.TASKS:
+        return None
+    try:
+        if spec.startswith("jsonl:") or spec.endswith(".jsonl"):
+            fields = sources.RecordFields(prompt_field=cfg.task_prompt_field, answer_field=cfg.task_answer_field,
+                                          default_reward=cfg.reward_spec(), system_prompt=cfg.task_system_prompt)
+            sources.read_jsonl(Path(spec[6:] if spec.startswith("jsonl:") else spec), fields)
+        elif spec.startswith("hf:"):
+            local = spec[3:].split(":", 1)[0]
+            if local.startswith(("/", ".")) and not Path(local).exists():
+                return f"dataset directory {local} does not exist"
+    except sources.TaskSourceError as exc:
+        return str(exc)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command != "run":
@@ -188,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"asyncrl-coordinator: invalid config: {exc}", file=sys.stderr)
         return 2
     if args.dry_run:
+        problem = dry_run_task_problem(cfg)
+        if problem:
+            print(f"asyncrl-coordinator: invalid task: {problem}", file=sys.stderr)
+            return 2
         print(cfg.to_json())
         return 0
 

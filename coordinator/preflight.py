@@ -78,6 +78,16 @@ def open_env_task(cfg, tokenizer, model_config):
     return source
 
 
+def context_needed(source, max_new_tokens: int) -> int:
+    """Tokens (prompt + completion) the longest sequence of this task needs, for the manifest: volunteers size
+    their engine's context to it. 0 (not said) without a checked record list, or when a record is a
+    multi-turn environment, whose context grows turn by turn."""
+    report, records = getattr(source, "report", None), getattr(source, "records", None)
+    if report is None or not records or any(r.reward.startswith("env:") for r in records):
+        return 0
+    return report.longest_prompt_tokens + max_new_tokens
+
+
 def sealed_batch_bytes(*, prompts_per_lease: int, group_size: int, max_new_tokens: int, prompt_tokens: int,
                        episodes: bool = False) -> int:
     payload = messages.rollout_batch_bytes_bound(groups=prompts_per_lease, group_size=group_size,

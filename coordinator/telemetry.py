@@ -67,7 +67,9 @@ class Telemetry:
 
     def snapshot_part(self, *, version: int, steps: int, clients: list, leases: dict, queued_groups: int,
                       identity: dict, presence: list[dict] = (), publisher: dict | None = None,
-                      waiting: dict | None = None, contributors: list[dict] = (), audit: dict | None = None) -> dict:
+                      waiting: dict | None = None, contributors: list[dict] = (), audit: dict | None = None,
+                      completions: list[dict] = (), reward_errors: dict | None = None,
+                      handshake_refusals: dict | None = None) -> dict:
         """The read-only status dict (the schema of /api/status). No key material ever enters it."""
         now = time.time()
         stats = self.stats.snapshot()
@@ -95,6 +97,12 @@ class Telemetry:
             # generation audit: per engine class (kind/dtype) "learning" (samples/needed) or "learned", its tolerance
             "audit": audit,
             "stats": stats,
+            # coordinator/reward_log.py: the latest sampled completions with their rewards, and what
+            # volunteers' reward functions raised
+            "completions": list(completions),
+            "reward_errors": dict(reward_errors or {"total": 0, "recent": []}),
+            # volunteers the handshake turned away (version gate, a missing reward package): client = its release
+            "handshake_refusals": dict(handshake_refusals or {"total": 0, "recent": []}),
         }
 
     def close(self) -> None:

@@ -31,9 +31,11 @@ class RecordingEngineFactory:
 
     def __init__(self):
         self.calls = []
+        self.contexts = []  # max_model_len per engine started
 
     def __call__(self, kind, model, lora, **kw):
         self.calls.append((model, kw.get("stop_token_ids")))
+        self.contexts.append(kw.get("max_model_len"))
         return object()
 
 
@@ -85,3 +87,18 @@ def test_a_manifest_without_a_pin_is_refused(volunteer, base):
     with pytest.raises(BaseModelMismatch) as info:
         vol.load_engine(manifest_for(pin, tokenizer_sha256="", stop_token_ids=()))
     assert info.value.code == "NOT_PINNED" and factory.calls == []
+
+
+@pytest.mark.parametrize("published, flag, context", [(1536, None, 1536), (1536, 512, 512), (0, None, None)])
+def test_the_engine_context_is_the_tasks_longest_sequence_not_the_models(base, tmp_path, monkeypatch, published,
+                                                                          flag, context):
+    path, pin = base
+    factory = RecordingEngineFactory()
+    monkeypatch.setattr("asyncrl.client.engine.make_engine", factory)
+    said = []
+    vol = Volunteer(VolunteerConfig(address=f"/ip4/127.0.0.1/tcp/1/p2p/{PEER}", data_dir=tmp_path / "v",
+                                    model=str(path), quiet=True, max_model_len=flag), out=said.append)
+    vol.load_engine(manifest_for(pin, max_context_tokens=published))
+    assert factory.contexts == [context]  # --max-model-len wins; 0 (not said) leaves the model's own limit
+    why = {1536: "the task's longest prompt + max_new_tokens", 512: "--max-model-len", None: "the model's own limit"}
+    assert said[-1].startswith("engine: ") and why[flag or (published or None)] in said[-1]

@@ -160,13 +160,19 @@ def test_each_preset_parses_and_validates(path):
     assert cfg.inflight_groups >= cfg.groups_per_step and cfg.lease_timeout_s >= 300
 
 
-def test_dry_run_resolves_a_preset_without_starting_anything():
+def test_dry_run_resolves_a_preset_without_starting_anything(tmp_path):
     import json
     import subprocess
     import sys
 
+    missing = subprocess.run([sys.executable, "-m", "asyncrl.coordinator.cli", "run", "--config", str(PRESETS[1]),
+                              "--dry-run", "--task", str(tmp_path / "train.jsonl")], capture_output=True, text=True,
+                             timeout=60)
+    assert missing.returncode == 2 and "does not exist" in missing.stderr  # the preset's task file is yours to write
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1?", "answer": "2"}\n')
     r = subprocess.run([sys.executable, "-m", "asyncrl.coordinator.cli", "run", "--config", str(PRESETS[1]),
-                        "--dry-run", "--max-steps", "3"], capture_output=True, text=True, timeout=60)
+                        "--dry-run", "--max-steps", "3", "--task", str(tmp_path / "train.jsonl")],
+                       capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     resolved = json.loads(r.stdout)
     assert resolved["model"] == "Qwen/Qwen2.5-1.5B-Instruct" and resolved["max_steps"] == 3

@@ -56,3 +56,18 @@ def test_prompt_budget_is_context_minus_max_new_tokens():
     assert preflight.prompt_budget(ModelConfig(), 512) == 1536
     with pytest.raises(preflight.PreflightError):
         preflight.prompt_budget(ModelConfig(), 2048)
+
+
+def test_the_manifest_context_is_the_longest_prompt_plus_max_new_tokens_when_the_task_says():
+    from asyncrl.tasks.prompt import Prompt
+    from asyncrl.tasks.sources import BuiltinSource, RecordsSource, SourceReport
+
+    records = [Prompt("a", "short", "1", "exact"), Prompt("b", "longer prompt", "2", "math")]
+    source = RecordsSource("t", records, seed=0)
+    source.report = SourceReport(records=2, longest_prompt_tokens=37)
+    assert preflight.context_needed(source, 256) == 37 + 256
+    # a multi-turn environment's context grows turn by turn: not said, the volunteer keeps the model's limit
+    episodes = RecordsSource("e", records + [Prompt("c", "play", "", "env:echo")], seed=0)
+    episodes.report = SourceReport(records=3, longest_prompt_tokens=37)
+    assert preflight.context_needed(episodes, 256) == 0
+    assert preflight.context_needed(BuiltinSource("repeat", 0), 256) == 0  # toys are not checked whole
