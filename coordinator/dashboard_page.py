@@ -72,6 +72,8 @@ PAGE = r"""<!doctype html>
       <div class="s" id="ess_sub"></div></div>
     <div class="card"><div class="k">Throughput</div><div class="v" id="throughput">–</div>
       <div class="s" id="throughput_sub"></div></div>
+    <div class="card"><div class="k">Learner idle</div><div class="v" id="capacity">–</div>
+      <div class="s" id="capacity_sub"></div></div>
     <div class="card"><div class="k">Volunteers</div><div class="v" id="volunteers">–</div>
       <div class="s" id="volunteers_sub"></div></div>
     <div class="card"><div class="k">Batches</div><div class="v" id="batches">–</div>
@@ -243,6 +245,13 @@ function render(d) {
   set("throughput", fmt(st.throughput.rollouts_per_s, 1) + "/s");
   set("throughput_sub", "rollouts · " + fmt(st.throughput.tokens_per_s, 0) + " tokens/s trained · " +
       fmt(st.throughput.steps_per_min, 1) + " steps/min");
+  const cap = d.capacity || {};  // coordinator/capacity.py
+  set("capacity", cap.learner_idle_fraction === null || cap.learner_idle_fraction === undefined ? "–" :
+      fmt(100 * cap.learner_idle_fraction, 0) + "%");
+  set("capacity_sub", cap.rollouts_needed_per_s === null || cap.rollouts_needed_per_s === undefined ? "" :
+      (cap.keeps_learner_busy ? "the swarm keeps it busy · " : "the swarm does not keep it busy · ") +
+      fmt(cap.swarm_rollouts_per_s, 1) + " of " + fmt(cap.rollouts_needed_per_s, 1) + " rollouts/s needed" +
+      (cap.more_volunteers_needed ? " · ~" + cap.more_volunteers_needed + " more volunteers of the kinds seen" : ""));
   const live = vols.filter(v => v.live).length;
   set("volunteers", live); set("volunteers_sub", "live of " + vols.length + " seen");
   const acc = vols.reduce((a, v) => a + v.accepted, 0);

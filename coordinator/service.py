@@ -47,6 +47,7 @@ from asyncrl.swarm import streams
 from asyncrl.swarm.streams import stream_name
 
 from .base_model import resolve_model
+from .capacity import CapacityMeter
 from .config import CoordinatorConfig
 from .episodes import environment_pin, replay_metrics
 from .leasing import MAX_LEASE_REQUEST_BYTES
@@ -87,6 +88,8 @@ class Coordinator:
         self.log = RunLog(self.run_dir / METRICS_FILE, listeners=[self.telemetry.observe])
         self.t0 = time.time()
         self.trained_by: dict[str, int] = {}  # volunteer key fingerprint -> groups trained on (this process)
+        # does the swarm keep the learner busy? how many more volunteers would? (coordinator/capacity.py)
+        self.capacity = CapacityMeter(samples_per_step=cfg.groups_per_step * cfg.group_size, group_size=cfg.group_size)
         from .reward_log import RewardErrors
 
         self.reward_errors = RewardErrors()  # what volunteers' reward functions raised (coordinator/reward_log.py)
@@ -390,18 +393,22 @@ class Coordinator:
         cfg = self.cfg
         logged = 0
         self.quorum.wait(self.stop)  # --wait-for-volunteers: no step before N volunteers are in (returns at once by default)
+        waited = 0.0  # the learner's wait for data since its last step (coordinator/capacity.py)
         while (not self.stop.is_set() and (cfg.max_steps == 0 or self.learner.steps < cfg.max_steps)
                and not self.run_end.requested()):
             if self.sync_round is not None:
                 items = self.sync_round.take(self.learner.version, self.stop)
             else:
+                t0 = time.monotonic()
                 items = self.ingest.take(cfg.groups_per_step, max_wait_s=cfg.max_wait_s, min_groups=cfg.min_groups,
                                          stop=self.stop)
+                waited += time.monotonic() - t0
             new = self.ingest.accepted_since(logged)
             if new and new[0].seq > logged:  # more arrived than the log keeps: say how many events are missing
                 self.log.write("batch_events_skipped", count=new[0].seq - logged)
             logged = new[-1].seq + 1 if new else logged
             for b in new:
+                self.capacity.accepted(b.client, b.groups)
                 self.log.write("batch", client=b.client, version=b.version, reward_mean=b.reward_mean,
                                groups=b.groups, staleness=self.learner.version - b.version,
                                batch_id=b.batch_id.hex(), prompt_ids=list(b.prompt_ids))
@@ -420,6 +427,9 @@ class Coordinator:
                 self.log.write("dropped", groups=stale_dropped, reason="stale", batch_ids=batch_ids)
                 continue
             self.board.mark_trained(result.groups_used)
+            self.capacity.learner_step(wait_s=waited, step_s=result.seconds, groups=len(groups),
+                                       stale_dropped=stale_dropped)
+            waited = 0.0
             for signer, used in fresh:
                 self.trained_by[signer] = self.trained_by.get(signer, 0) + used
             self.auditor.stats["learner_seconds"] += result.seconds  # the audit's cost is reported against this
@@ -562,7 +572,8 @@ class Coordinator:
                                             waiting=self.quorum.status(), audit=self._audit_snapshot(),
                                             completions=self.completion_log.latest() if hasattr(self, "completion_log") else [],
                                             reward_errors=self.reward_errors.snapshot(),
-                                            handshake_refusals=self.handshake_refusals.snapshot())
+                                            handshake_refusals=self.handshake_refusals.snapshot(),
+                                            capacity=self.capacity.snapshot())
 
     def _audit_snapshot(self) -> dict | None:
         auditor = getattr(self, "auditor", None)

@@ -69,7 +69,8 @@ class Telemetry:
                       identity: dict, presence: list[dict] = (), publisher: dict | None = None,
                       waiting: dict | None = None, contributors: list[dict] = (), audit: dict | None = None,
                       completions: list[dict] = (), reward_errors: dict | None = None,
-                      handshake_refusals: dict | None = None) -> dict:
+                      handshake_refusals: dict | None = None,
+                      capacity: dict | None = None) -> dict:
         """The read-only status dict (the schema of /api/status). No key material ever enters it."""
         now = time.time()
         stats = self.stats.snapshot()
@@ -92,6 +93,8 @@ class Telemetry:
             # PublishWorker.stats(): published_version, superseded, queue_depth, in_flight(_s), last_latency_s
             "publisher": dict(publisher or {}),
             "volunteers": rows,
+            # coordinator/capacity.py: learner idle fraction, rollouts/s needed vs delivered, more volunteers needed
+            "capacity": dict(capacity or {}),
             # name, fingerprint, accepted batches/tokens (receipts), trained groups and share: publishable
             "contributors": list(contributors),
             # generation audit: per engine class (kind/dtype) "learning" (samples/needed) or "learned", its tolerance
