@@ -14,8 +14,9 @@ SmolLM2-135M-Instruct on reasoning-gym `chain_sum` (two-term sums of 1-2 digit n
     code on the engine's model). Evaluating after the arm ends keeps evaluation off both arms' clocks.
 
 The arms run one after the other, or with `--concurrent` at the same time (the local arm in a child
-process), so that on a shared machine both see the same background load; then give both arms the same
-number of threads in total (under oversubscription a thread's share of the CPU is what it gets). The base
+process), so that on a shared machine both see the same background load. Threads default to 1 per
+process: on an oversubscribed machine a multi-threaded torch op waits at its barrier for a descheduled
+thread, which made a 2-thread process many times slower than a 1-thread one here. The base
 and every checkpoint are evaluated after both arms have stopped training.
 
 Each arm's clock starts when its first process starts (model loading included) and its curve is
@@ -83,7 +84,7 @@ def make_config(a, run_dir: Path):
 
 def coordinator_overrides(a, run_dir: Path) -> dict:
     return {"model": a.model, "run_dir": str(run_dir), "task": a.task, "task_params": tuple(a.task_param),
-            "task_system_prompt": a.system_prompt, "task_eval_size": max(a.n_eval, 200), "seed": a.seed,
+            "task_system_prompt": a.system_prompt, "task_extractor": a.extractor, "task_eval_size": max(a.n_eval, 200), "seed": a.seed,
             "lr": a.lr, "lora_r": a.lora_r, "group_size": a.group_size, "groups_per_step": a.groups_per_step,
             "min_groups": a.groups_per_step, "max_new_tokens": a.max_new_tokens, "max_steps": a.steps,
             "temperature": 1.0}
@@ -136,7 +137,7 @@ def swarm_arm(a, cfg, run_dir: Path) -> dict:
              "--prompts-per-lease", str(max(1, a.groups_per_step // a.volunteers)),
              "--checkpoint-every", str(a.eval_every), "--keep-checkpoints", "100000", "--no-dashboard",
              "--threads", str(a.coordinator_threads), "--task-system-prompt", a.system_prompt,
-             "--task-eval-size", str(max(a.n_eval, 200)), "--port", "0"]
+             "--task-eval-size", str(max(a.n_eval, 200)), "--task-extractor", a.extractor, "--port", "0"]
     for p in a.task_param:
         flags += ["--task-param", p]
     t0 = time.time()
@@ -333,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"generator parameters (default {' '.join(DEFAULT_PARAMS)})")
     p.add_argument("--system-prompt", default="reasoning_gym:direct",
                    help="task_system_prompt (reasoning-gym's 'direct': the answer alone, in <answer> tags)")
+    p.add_argument("--extractor", default="last_number", choices=["answer_tags", "last_number", "raw"],
+                   help="task_extractor: SmolLM2-135M never writes <answer> tags (greedy or sampled), so a tag-only "
+                        "reward is 0 for every sample and GRPO gets no signal; last_number reads its final number")
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per arm at most")
     p.add_argument("--wall-budget-s", type=float, default=1800, help="per arm")
     p.add_argument("--volunteers", type=int, default=2)
@@ -348,10 +352,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arms", default="swarm,local")
     p.add_argument("--concurrent", action="store_true",
                    help="run the two arms at the same time (the local arm in a child process), so both see the "
-                        "same background load on a shared machine; give both the same threads in total")
-    p.add_argument("--coordinator-threads", type=int, default=2)
+                        "same background load on a shared machine")
+    p.add_argument("--coordinator-threads", type=int, default=1)
     p.add_argument("--volunteer-threads", type=int, default=1)
-    p.add_argument("--local-threads", type=int, default=2)
+    p.add_argument("--local-threads", type=int, default=1)
+    p.add_argument("--eval-threads", type=int, default=1, help="torch threads of the evaluations")
     p.add_argument("--run-dir", default="runs/bench/real_model")
     p.add_argument("--json-out", default="runs/bench/real_model.json")
     p.add_argument("--png-out", default="runs/bench/real_model.png")
@@ -362,7 +367,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     a.task_param = a.task_param or list(DEFAULT_PARAMS)
+    import torch
+
     from bench.results import provenance, write_result
+
+    torch.set_num_threads(a.eval_threads)  # the local arm sets its own (local_arm)
 
     root = Path(a.run_dir)
     if a.local_only_out:  # the child of --concurrent: the local arm alone
@@ -377,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     out: dict = {"task": a.task, "task_params": a.task_param, "model": a.model, "seed": a.seed, "n_eval": a.n_eval,
                  "hyperparameters": {k: getattr(a, k) for k in ("lr", "lora_r", "group_size", "groups_per_step",
                                                                  "max_new_tokens", "steps", "wall_budget_s",
-                                                                 "volunteers", "system_prompt", "concurrent",
+                                                                 "volunteers", "system_prompt", "extractor", "concurrent",
                                                                  "coordinator_threads", "volunteer_threads",
                                                                  "local_threads")},
                  "curves": {"swarm": [], "local": []}, "steps": {}, "wall_s": {}, "tokens_generated": {},
