@@ -1,12 +1,14 @@
 """A real pretrained model learns a real task: the swarm against one process, same model, task and budget.
 
 Owned here: the real-model benchmark of issue 44 (docs/real-model.md). With no flags it trains
-SmolLM2-135M-Instruct on reasoning-gym `chain_sum` (two-term sums of 1-2 digit numbers) and:
+SmolLM2-135M-Instruct on reasoning-gym `basic_arithmetic` restricted to two-term sums of 1-2 digit
+numbers ("Calculate 24 + 84."; `chain_sum` adds differences with negative results, which the 135M model
+got wrong in every greedy try here), scored on the last number of the completion, and:
 
  1. evaluates the base (greedy, the first `--n-eval` problems of the task's evaluation split);
  2. **swarm** arm: a real `asyncrl-coordinator run` and `--volunteers` `asyncrl-client join` processes on
-    this machine, until `--steps` optimizer steps or `--wall-budget-s`; a checkpoint every `--eval-every`
-    steps, each evaluated afterwards by `asyncrl-coordinator eval`'s code (the exported adapter loaded with
+    this machine, until `--steps` optimizer steps or `--wall-budget-s`; the checkpoints of every
+    `--eval-every`-th step and the last are evaluated afterwards by `asyncrl-coordinator eval`'s code (the exported adapter loaded with
     stock transformers + peft);
  3. **local** arm: one process, the project's own `Learner` and `TransformersEngine`, generating then
     training in turn (no network, no signing, no audit, no leases), same hyperparameters and budget; its
@@ -30,7 +32,8 @@ export_check (the swarm's last checkpoint scored by stock loading and by the in-
 within one problem). A PNG plots both curves.
 
     .venv/bin/python bench/real_model.py --json-out runs/bench/real_model.json --png-out docs/img/real_model.png
-    .venv/bin/python bench/real_model.py --model tiny --task-param max_digits=1 --steps 3 --n-eval 8 \\
+    .venv/bin/python bench/real_model.py --model tiny --task reasoning_gym:chain_sum --task-param max_digits=1 \\
+        --task-param min_terms=2 --task-param max_terms=2 --steps 3 --n-eval 8 \\
         --wall-budget-s 300 --eval-every 1 --group-size 2 --groups-per-step 2 --max-new-tokens 8   # a smoke run
 """
 
@@ -51,7 +54,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # run as a script: bench.* imports
 from bench.straggler import spawn, stop  # their own sessions; SIGTERM, then SIGKILL after a grace
 
-DEFAULT_PARAMS = ("min_terms=2", "max_terms=2", "min_digits=1", "max_digits=2")
+DEFAULT_TASK = "reasoning_gym:basic_arithmetic"
+DEFAULT_PARAMS = ("min_terms=2", "max_terms=2", "min_digits=1", "max_digits=2", 'operators=["+"]',
+                  "allow_negation=false", "allow_parentheses=false")  # two-term sums of 1-2 digit numbers
 
 
 def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -135,7 +140,7 @@ def swarm_arm(a, cfg, run_dir: Path) -> dict:
              "--group-size", str(a.group_size), "--groups-per-step", str(a.groups_per_step),
              "--min-groups", str(a.groups_per_step), "--max-new-tokens", str(a.max_new_tokens),
              "--prompts-per-lease", str(max(1, a.groups_per_step // a.volunteers)),
-             "--checkpoint-every", str(a.eval_every), "--keep-checkpoints", "100000", "--no-dashboard",
+             "--checkpoint-every", "1", "--keep-checkpoints", "100000", "--no-dashboard",
              "--threads", str(a.coordinator_threads), "--task-system-prompt", a.system_prompt,
              "--task-eval-size", str(max(a.n_eval, 200)), "--task-extractor", a.extractor, "--port", "0"]
     for p in a.task_param:
@@ -184,14 +189,16 @@ def swarm_arm(a, cfg, run_dir: Path) -> dict:
 
 
 def swarm_curve(a, run_dir: Path, info: dict) -> list[dict]:
-    """Every retained checkpoint, evaluated by `asyncrl-coordinator eval`'s code (stock transformers + peft)."""
+    """Checkpoints every `eval_every` steps and the last, evaluated by `asyncrl-coordinator eval`'s code (stock
+    transformers + peft). The coordinator checkpoints every step, so a stop in the middle of a long step still
+    leaves the one before it."""
     from asyncrl.coordinator.evaluate import evaluate
 
     steps = sorted({int(json.loads((p / "meta.json").read_text())["step"])
                     for p in (run_dir / "checkpoints").glob("step-*") if (p / "meta.json").is_file()})
     curve = []
-    for step in steps:
-        if step == 0:
+    for step in steps:  # every eval_every-th step, and the last (a checkpoint is written after every step)
+        if step == 0 or (step % a.eval_every and step != steps[-1]):
             continue
         r = evaluate(run_dir, step=step, n=a.n_eval, batch_size=a.eval_batch, progress=False)
         t = info["step_t"].get(step)
@@ -329,7 +336,7 @@ def export_check(a, cfg, run_dir: Path, last: dict) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--task", default="reasoning_gym:chain_sum")
+    p.add_argument("--task", default=DEFAULT_TASK)
     p.add_argument("--task-param", action="append", default=None, metavar="KEY=VALUE",
                    help=f"generator parameters (default {' '.join(DEFAULT_PARAMS)})")
     p.add_argument("--system-prompt", default="reasoning_gym:direct",
