@@ -11,6 +11,11 @@ eos set + tokenizer eos; Qwen2.5-Instruct: <|im_end|>, <|endoftext|>) — which 
 ("stop"), or after `max_new_tokens` / at the model's context limit ("length"). `finish_reason` comes from
 `protocol.messages.derive_finish_reason`, never from an engine's own string alone.
 
+Vocabulary: only ids below len(tokenizer) are ever sampled — a model's embedding matrix is padded past its
+tokenizer (Qwen2.5: 151,936 rows, 151,665 tokens) and those ids decode to "" (a free way to pad a length
+reward); both engines mask them, the learner's softmax leaves them out (models/logprobs.py `vocab_limit`)
+and ingest refuses a completion holding one (OUT_OF_VOCAB).
+
 Implementations: `TransformersEngine` (transformers + peft; the CPU/test fallback) and `VLLMEngine`
 (client/engine_vllm.py).
 """
@@ -121,7 +126,7 @@ class TransformersEngine:
                              past_key_values=past, use_cache=True, logits_to_keep=1)
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()
-            logprobs = processed_logprobs(logits, sampling)
+            logprobs = processed_logprobs(logits, sampling, vocab_limit=len(self.tokenizer))
             token = torch.multinomial(logprobs.exp(), 1, generator=self.generator).squeeze(1)
             out_tokens[:, t] = torch.where(done, torch.full_like(token, pad), token)
             out_logps[:, t] = torch.where(done, torch.zeros_like(out_logps[:, t]),
@@ -151,12 +156,15 @@ class TransformersEngine:
         return samples
 
 
-def processed_logprobs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    """log-softmax of the *processed* logits: temperature, then top-k, then top-p (as vLLM does).
+def processed_logprobs(logits: torch.Tensor, sampling: SamplingParams, vocab_limit: int | None = None) -> torch.Tensor:
+    """log-softmax of the *processed* logits: ids at or past `vocab_limit` (len(tokenizer): the padded
+    embedding rows) masked, then temperature, then top-k, then top-p (as vLLM does with allowed_token_ids).
 
     The learner applies the same temperature when it recomputes log-probabilities.
     """
     logits = logits / max(sampling.temperature, 1e-5)
+    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+        logits[..., vocab_limit:] = float("-inf")
     if sampling.top_k and sampling.top_k > 0 and sampling.top_k < logits.shape[-1]:
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

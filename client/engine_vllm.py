@@ -96,6 +96,11 @@ class VLLMEngine:
         from asyncrl.models.pinning import stop_token_ids as read_stop_ids
 
         self.stop_token_ids = tuple(stop_token_ids) if stop_token_ids else read_stop_ids(model, self.tokenizer)
+        # The model's vocabulary is padded past the tokenizer's (Qwen2.5: 151,936 rows, 151,665 tokens): only
+        # ids the tokenizer has may be sampled (ingest refuses the others: OUT_OF_VOCAB), and vLLM applies
+        # allowed_token_ids before its processed logprobs, as the learner's softmax leaves those rows out.
+        rows = self.llm.llm_engine.model_config.get_vocab_size()
+        self.allowed_token_ids = list(range(len(self.tokenizer))) if len(self.tokenizer) < rows else None
         self.version: int | None = None
         self._dir = Path(tempfile.mkdtemp(prefix="asyncrl-vllm-lora-", dir=workdir))
         weakref.finalize(self, shutil.rmtree, str(self._dir), True)
@@ -139,7 +144,8 @@ class VLLMEngine:
             params.append(VSamplingParams(
                 n=group_size, temperature=sampling.temperature, top_p=sampling.top_p,
                 top_k=max(sampling.top_k, 0), max_tokens=sampling.max_new_tokens,
-                logprobs=0, seed=self._next_seed, detokenize=False, stop_token_ids=list(self.stop_token_ids)))
+                logprobs=0, seed=self._next_seed, detokenize=False, stop_token_ids=list(self.stop_token_ids),
+                allowed_token_ids=self.allowed_token_ids))
             self._next_seed += group_size
         requests = [{"prompt_token_ids": list(p)} for p in prompts]
         outputs = self.llm.generate(requests, params, lora_request=self._current, use_tqdm=False)

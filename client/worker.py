@@ -334,10 +334,23 @@ class Volunteer:
             raise RunFinished(f"run {hs.info.run_id!r} has finished; nothing to do (`join --follow` waits for the next)")
         for check in checks:
             if check.status == FAIL:
+                if check.code == RejectCode.REWARD_PACKAGE_MISSING.value:
+                    self._report_missing_rewards(hs)
                 raise JoinCheckFailed(check)
             if check.status == WARN:
                 self.display.event("warning", f"warning: {check.detail}; {check.fix}")
         return hs
+
+    def _report_missing_rewards(self, hs) -> None:
+        """Say which reward packages we lack before we leave, so the operator sees it on the dashboard (no
+        lease was asked for; the refusal is no strike). Best effort: we leave either way."""
+        from .checks import exchange, missing_reward_packages
+
+        try:
+            exchange(self.node, self.coordinator_peer_id,
+                     missing_rewards=tuple(p.reward for p in missing_reward_packages(hs.info)))
+        except Exception as exc:  # noqa: BLE001 - the refusal stands whether or not the report arrived
+            self.display.event("warning", f"could not tell the coordinator about the missing packages: {exc}")
 
     def _wait_for_next_run(self, hs):
         """--follow: ask the coordinator again, less and less often, until it runs an unfinished run."""
@@ -761,7 +774,8 @@ class Volunteer:
             generated += self._generate([lease], group_size, sampling)
         return generated, [], None
 
-    def _release(self, leases: list[messages.TaskLease], reason: str | None, *, unscorable: bool = False) -> None:
+    def _release(self, leases: list[messages.TaskLease], reason: str | None, *, unscorable: bool = False,
+                 reward_error: str = "") -> None:
         """Give leases back (a LeaseRequest with `release`): their prompts go to someone else now, instead
         of waiting out the lease timeout (coordinator/taskboard.py `release`). With `unscorable` they are
         leases whose groups our reward check could not score (`LeaseRequest.unscorable`): the coordinator
@@ -772,7 +786,7 @@ class Volunteer:
         ids = tuple(l.lease_id for l in leases)
         for attempt in range(2):
             try:
-                self._rpc().call(adapter_version=self.serving_version,
+                self._rpc().call(adapter_version=self.serving_version, reward_error=reward_error,
                                  **({"unscorable": ids} if unscorable else {"release": ids}))
             except TransportError as exc:
                 if attempt == 0:
@@ -835,14 +849,15 @@ class Volunteer:
                     results.append((lease, group, [s.reward for s in group]))
                     continue
                 try:  # the coordinator re-scores with this same call (coordinator/ingest.py)
-                    results.append((lease, group, tasks.score_group(prompt, texts, [s.token_ids for s in group]).rewards))
+                    results.append((lease, group, tasks.score_group(prompt, texts, [s.token_ids for s in group],
+                                                                   version=work.version).rewards))
                 except Exception as exc:  # noqa: BLE001 - a broken reward costs its group, not the volunteer
                     results.append((lease, group, exc))
         finally:
             work.keeper.finish()
         keeper = work.keeper
         self._count("lease_renewals", keeper.renewals)
-        groups, unscored, lost = [], [], 0
+        groups, unscored, raised, lost = [], [], [], 0
         for lease, group, scored in results:
             if lease.lease_id in keeper.lost:
                 self._abandon(lease, "the coordinator no longer holds it for us (expired)", counter="leases_lost")
@@ -850,11 +865,13 @@ class Volunteer:
                 continue
             if isinstance(scored, Exception):
                 exc = scored
+                why = f"reward {lease.reward!r} failed: {exc.__class__.__name__}: {str(exc)[:300]}"
                 if isinstance(exc, tasks.Unscorable):  # our verifier could not finish: send nothing rather than a guess
                     self._count("groups_unscorable")
                     unscored.append(lease)
-                self._abandon(lease, f"reward {lease.reward!r} failed: {exc.__class__.__name__}: {str(exc)[:300]}",
-                              counter="reward_errors")
+                else:  # the reward function itself raised: the operator must see it (coordinator's log, dashboard)
+                    raised.append((lease, why))
+                self._abandon(lease, why, counter="reward_errors")
                 continue
             comps = []
             for s, reward in zip(group, scored):
@@ -869,6 +886,9 @@ class Volunteer:
                                                 prompt_token_ids=lease.prompt_token_ids, completions=tuple(comps)))
         if unscored:  # said at once: the prompt goes to someone else now, and a poison prompt gets retired
             self._release(unscored, "reward check did not finish", unscorable=True)
+        if raised:
+            self._release([l for l, _ in raised], "reward raised",
+                          reward_error=raised[0][1][:limits.MAX_REWARD_ERROR_CHARS])
         tried = len(work.leases) - len(work.unfinished)  # a pause returns the rest
         if not groups:
             if lost:  # grant to losing it: the sizer learns this machine is too slow for what it asked

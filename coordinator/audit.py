@@ -201,7 +201,8 @@ class Auditor:
                 p.requires_grad_(False)
         else:
             self.model = shadow_model(learner.model)
-        self.scorer = CompletionScorer(self.model) if enabled else None  # models/logprobs.py, as the learner
+        self.scorer = (CompletionScorer(self.model, vocab_limit=len(learner.tokenizer))  # models/logprobs.py,
+                       if enabled else None)                                           # as the learner
         self._rng = random.Random(seed)
         self._lock = threading.Lock()        # guards the shadow model (one audit at a time)
         self._versions: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
@@ -538,12 +539,14 @@ class Auditor:
         stop = {t for t in (tok.eos_token_id, pad) if t is not None}
         torch.manual_seed(seed)
         device = next(self.model.parameters()).device
+        rows = getattr(self.model.config, "vocab_size", len(tok))
+        padded = {"suppress_tokens": list(range(len(tok), rows))} if rows > len(tok) else {}  # as the engines
         groups = []
         for ids in prompts:
             inp = torch.tensor([ids], device=device)
             out = self.model.generate(input_ids=inp, attention_mask=torch.ones_like(inp), do_sample=True,
                                       temperature=temperature, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
-                                      num_return_sequences=group_size, pad_token_id=pad)
+                                      num_return_sequences=group_size, pad_token_id=pad, **padded)
             comps = []
             for row in out[:, len(ids):].tolist():
                 cut = next((i for i, t in enumerate(row) if t in stop), len(row))

@@ -151,7 +151,8 @@ class CoordinatorConfig:
     the training split's. None = task_data_seed + 1,000,000,007."""
     task_extractor: str = "answer_tags"
     """reasoning_gym: tasks: how the answer is read from a completion: answer_tags (the last
-    <answer>...</answer>, reasoning-gym's convention) or raw (the whole stripped completion)."""
+    <answer>...</answer>, reasoning-gym's convention), last_number (the last number in the completion) or
+    raw (the whole stripped completion)."""
     oversized_records: Literal["error", "skip"] = "error"
     """A record whose prompt does not leave max_new_tokens of the model's context (or whose columns are
     too big for a lease) stops the start naming it ("error"), or is left out and counted ("skip")."""
@@ -370,6 +371,11 @@ class CoordinatorConfig:
     """TCP port of the dashboard (0 = any free port); the URL is written to <run_dir>/dashboard.txt."""
     report_to: tuple[str, ...] = ()
     """Extra metric sinks: any of "tensorboard", "wandb", "trackio" (each needs its package installed)."""
+    log_completions_every: int = 10
+    """Every this many optimizer steps, append a sample of the step's completions with their rewards (total
+    and per reward function) to <run_dir>/completions.jsonl and show it on the dashboard (0 = never)."""
+    log_completions_count: int = 4
+    """How many completions each such sample holds (spread over the step's prompts)."""
 
     def validate(self) -> "CoordinatorConfig":
         checks = [
@@ -442,6 +448,8 @@ class CoordinatorConfig:
             (self.audit_quarantine_passes >= 1 and self.audit_quarantine_strikes >= 1,
              "audit_quarantine_passes and audit_quarantine_strikes must be >= 1"),
             (self.trust_state_every_s > 0, "trust_state_every_s must be > 0"),
+            (self.log_completions_every >= 0, "log_completions_every must be >= 0 (0 = never)"),
+            (1 <= self.log_completions_count <= 64, "log_completions_count must be in [1, 64]"),
             (self.run_id.replace("-", "").replace("_", "").isalnum(), "run_id may hold letters, digits, - and _"),
             (_bad_peer_address(self.initial_peers) is None, f"initial_peers: {_bad_peer_address(self.initial_peers)}"),
         ]

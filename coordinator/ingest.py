@@ -111,6 +111,8 @@ class Ingest:
         self.board = board
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        # ids the tokenizer has: the embedding rows past it decode to "" and no honest engine samples them
+        self.vocab_limit = len(tokenizer) if tokenizer is not None else None
         self.current_version = current_version  # callable -> int (the learner's version)
         # callable(version) -> bool: could a volunteer hold it? (coordinator/publisher.py: not ahead of the
         # newest published one, not one superseded before publication). Default: not ahead of current.
@@ -330,7 +332,7 @@ class Ingest:
         with tasks.scoring_for(opened.signer):  # the signer's fair share of the verifier pool
             for group, lease in zip(batch.groups, leases):
                 try:
-                    groups.append(rescore_group(self.tokenizer, group, lease, batch, self.bounds,
+                    groups.append(rescore_group(self.tokenizer, group, lease, batch, self.bounds, vocab_limit=self.vocab_limit,
                                                  stop_token_ids=self.stop_token_ids,
                                                  context_limit=self.context_limit))
                 except (tasks.Unscorable, tasks.RewardError):
@@ -519,13 +521,21 @@ class Ingest:
 
 
 def rescore_group(tokenizer, group: messages.RolloutGroup, lease, batch: messages.RolloutBatch,
-                  bounds=None, *, stop_token_ids: tuple[int, ...] = (), context_limit: int | None = None) -> TrainGroup:
+                  bounds=None, *, stop_token_ids: tuple[int, ...] = (), context_limit: int | None = None,
+                  vocab_limit: int | None = None) -> TrainGroup:
     """One leased group, checked and re-scored: prompt tokens as leased, lengths within the lease, each
     finish_reason re-derived from the tokens and the pinned stop set (MALFORMED if the claim differs; with
     no stop set only a full-length "length" completion counts as truncated), every reward recomputed from
     the decoded completion (REWARD_MISMATCH otherwise) — or, with `bounds` (tasks.PrintableTable), without
     decoding when the reward cannot but be 0. bench/ingest.py times it. A multi-turn episode's group (its lease
-    names an environment) is replayed instead: coordinator/episodes.py."""
+    names an environment) is replayed instead: coordinator/episodes.py. A completion holding an id at or past
+    `vocab_limit` (len(tokenizer)) is refused OUT_OF_VOCAB: both engines mask those ids (client/engine.py)."""
+    if vocab_limit is not None:
+        for i, c in enumerate(group.completions):
+            ids = c.token_array()
+            if len(ids) and int(ids.max()) >= vocab_limit:
+                raise ProtocolError(RejectCode.OUT_OF_VOCAB, f"completion {i} holds token id {int(ids.max())}; the "
+                                    f"tokenizer has {vocab_limit} ids (the model's padded rows are never sampled)")
     if is_episode_lease(lease):
         return rescore_episode_group(tokenizer, group, lease, batch, stop_token_ids=stop_token_ids)
     if any(c.env_mask for c in group.completions):  # tokens marked unsampled would escape the logprob audit
@@ -558,10 +568,12 @@ def rescore_group(tokenizer, group: messages.RolloutGroup, lease, batch: message
     if any(hopeless):  # only `exact`, a simple reward scored one completion at a time: skip the hopeless ones
         rewards = [0.0 if h else tasks.score(reward, tokenizer.decode(a.tolist(), skip_special_tokens=True), answer)
                    for h, a in zip(hopeless, arrays)]
+        per_reward = {reward: list(rewards)}
     else:  # the volunteer scored with this same call (client/worker.py): one group, its texts, its ids
         comps = [a.tolist() for a in arrays]  # reward functions get TRL's completion_ids: lists of ints
-        rewards = tasks.score_group(lease.prompt, [tokenizer.decode(t, skip_special_tokens=True) for t in comps],
-                                    comps).rewards
+        scored = tasks.score_group(lease.prompt, [tokenizer.decode(t, skip_special_tokens=True) for t in comps],
+                                   comps, version=batch.adapter_version)
+        rewards, per_reward = scored.rewards, scored.per_reward
     for c, expected in zip(group.completions, rewards):
         if abs(expected - c.reward) > REWARD_TOLERANCE:
             raise ProtocolError(RejectCode.REWARD_MISMATCH, f"claimed {c.reward:.4f}, recomputed {expected:.4f}")
@@ -569,4 +581,4 @@ def rescore_group(tokenizer, group: messages.RolloutGroup, lease, batch: message
     # ints and floats per batch — those lists were a third of ingest's time (docs/benchmarks.md).
     lps = [c.logprob_array() for c in group.completions]
     return TrainGroup(prompt_ids, arrays, lps, rewards, batch.adapter_version, batch.sampling.temperature,
-                      batch.client_name, truncated=truncated)
+                      batch.client_name, truncated=truncated, per_reward=per_reward)

@@ -54,6 +54,9 @@ class TrainGroup:
     audit: bool = False    # check its sampling logprobs against this step's forward pass (coordinator/audit.py)
     truncated: list[bool] = field(default_factory=list)
     """Per completion: finish_reason "length" as ingest derived it (empty = none); loss.mask_truncated drops them."""
+    per_reward: dict[str, list[float | None]] = field(default_factory=dict)
+    """Each reward function's own values per completion (None = not applicable; tasks.GroupScore), for the
+    per-reward metrics (coordinator/reward_log.py); the learner trains on `rewards`, their weighted total."""
     env_masks: list | None = None
     """Per completion of a multi-turn episode (envs/): 1 per environment token (no loss, no logprob audit), or
     None for a completion the model sampled whole; None = no episodes in this group."""
@@ -162,7 +165,7 @@ class Learner:
             if p.requires_grad and p.dtype != torch.float32:
                 p.data = p.data.float()
         self.model.train()
-        self.scorer = CompletionScorer(self.model)
+        self.scorer = CompletionScorer(self.model, vocab_limit=len(self.tokenizer))  # the engines' vocabulary
         self._prepare_model()  # FSDP shards the base here (coordinator/ddp.py)
         self.loss_cfg = loss
         self.max_staleness = max_staleness

@@ -35,6 +35,7 @@ MAX_CHUNK_BYTES = 4 * MiB
 # Rollout batch shape caps: a batch is a unit of idempotent ingest, not a bulk transfer, and
 # GRPO group sizes beyond 64 bring nothing. They also bound the object count a decoder can create.
 MAX_GROUPS_PER_BATCH = 256
+MAX_REWARD_ERROR_CHARS = 500  # LeaseRequest.reward_error: what a volunteer's reward raised, for the operator
 MAX_COMPLETIONS_PER_GROUP = 64
 # Longest prompt or completion, in tokens (int32 ids -> at most 128 KiB per sequence field).
 MAX_TOKENS_PER_SEQUENCE = 32768

@@ -231,6 +231,9 @@ class LeaseRequest(_Message):
     unscorable: Annotated[tuple[Id, ...], msgspec.Meta(max_length=limits.MAX_GROUPS_PER_BATCH)] = ()
     # schema 2: this volunteer's canary result for the version it loaded last (health, never a strike)
     canary: CanaryReport | None = None
+    # schema 2: with `release`, what the volunteer's reward function raised on those leases ("reward 'x':
+    # TypeError: ..."); the coordinator logs it for the operator (metrics.jsonl `reward_error`, dashboard)
+    reward_error: Annotated[str, msgspec.Meta(max_length=limits.MAX_REWARD_ERROR_CHARS)] = ""
 
 
 class LeaseRenewal(_Record):
