@@ -21,7 +21,20 @@ The statistic is coordinator.audit.mismatch: the worst completion's trimmed mean
 token. Output: max/quantiles of honest values, min of each attack, false-reject rate and catch rates
 at `--tolerance`, and the audit's cost as a fraction of learner time.
 
+Learned tolerances (coordinator/audit_policy.py): the honest batches of each engine class (fp32 and bf16
+transformers engines here) go, in order, through the coordinator's own `AuditPolicy` with
+`--learn-batches`: its learning period, the tolerance it learns, and every later honest batch judged by
+it (misses, strikes); every attack is then judged against each class's learned tolerance.
+
+`--model` takes any base the coordinator takes (e.g. `smollm2-135m-instruct`, a real pretrained model whose
+peaked logits make dtype noise larger than the tiny model's; no "another base model" rows then: that
+needs a second model with the same vocabulary). Its pass/fail is on the learned tolerances: no honest
+batch struck or rejected after learning, >= 99 % of fabricated batches caught.
+
     .venv/bin/python bench/audit_calibration.py --json-out runs/bench/audit_calibration.json
+    .venv/bin/python bench/audit_calibration.py --model smollm2-135m-instruct --versions 4 --batches-per-version 4 \
+        --prompts 2 --group-size 4 --max-new-tokens 16 --bf16-probe 12 --learn-batches 6 \
+        --json-out runs/bench/audit_calibration_smollm2.json
 """
 
 from __future__ import annotations
@@ -49,6 +62,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json-out", default="runs/bench/audit_calibration.json")
+    ap.add_argument("--model", default="tiny", help="base model, as the coordinator's --model (default: built-in tiny)")
+    ap.add_argument("--learn-batches", type=int, default=None,
+                    help="batches each engine class learns from (default: CoordinatorConfig.audit_learn_batches)")
     args = ap.parse_args(argv)
 
     import torch
@@ -64,15 +80,22 @@ def main(argv=None) -> int:
     from asyncrl.models.lora import export_lora
     from asyncrl.protocol.messages import LoraSpec, SamplingParams
 
-    cfg = resolve_config({"model": "tiny"})  # the tiny model's settings (its toy preset), as `--model tiny` gets
+    cfg = resolve_config({"model": args.model})  # the model's settings (its preset), as `--model` gets
     tol = args.tolerance if args.tolerance is not None else cfg.audit_tolerance
-    path = str(tinymodel.write_tiny_model(tinymodel.default_tiny_model_dir()))
-    other_base = str(tinymodel.write_tiny_model(tinymodel.default_tiny_model_dir().with_name("tiny-qwen2-seed1"), seed=1))
+    tiny = args.model == "tiny"
+    if tiny:
+        path = str(tinymodel.write_tiny_model(tinymodel.default_tiny_model_dir()))
+        other_base = str(tinymodel.write_tiny_model(tinymodel.default_tiny_model_dir().with_name("tiny-qwen2-seed1"),
+                                                    seed=1))
+    else:
+        from asyncrl.models import pinning
+
+        path, other_base = str(pinning.resolve(args.model).path), None
     lora = LoraSpec(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=0.0, target_modules=tuple(cfg.lora_targets))
     learner = Learner(path, lora, lr=cfg.lr, loss=cfg.loss, max_staleness=cfg.max_staleness, seed=args.seed)
     auditor = Auditor(learner, tolerance=tol, floor=cfg.audit_floor, keep_versions=args.versions + 1)
     engine = TransformersEngine(path, lora, seed=args.seed + 1)
-    liar_engine = TransformersEngine(other_base, lora, seed=args.seed + 2)
+    liar_engine = TransformersEngine(other_base, lora, seed=args.seed + 2) if other_base else None
     bf16_engine = TransformersEngine(path, lora, seed=args.seed + 3, dtype=torch.bfloat16) if args.bf16_probe else None
     tok = learner.tokenizer
     vocab = learner.vocab_size
@@ -142,6 +165,8 @@ def main(argv=None) -> int:
     fab: dict[str, list[float]] = {}
     fab_learner: dict[str, list[float]] = {}
     history: dict[int, list] = {}
+    honest_versions: list[int] = []  # the claimed version of each honest_shadow / bf16 entry (v0 = the zero adapter)
+    bf16_versions: list[int] = []
     t_learner = t_shadow = t_reuse = 0.0
     n_steps = n_shadow = n_reuse = 0
     t0 = time.time()
@@ -153,6 +178,7 @@ def main(argv=None) -> int:
             s0 = time.perf_counter()
             rec, b = auditor.shadow_logprobs(groups, v)
             res["honest_shadow"].append(mismatch(rec, b["sampling_logps"], b["mask"]))
+            honest_versions.append(v)
             t_shadow += time.perf_counter() - s0
             n_shadow += 1
             llp, mask = learner_logprobs(groups)
@@ -180,12 +206,13 @@ def main(argv=None) -> int:
             res["cherry_picked_learner"].append(mismatch(llp, claimed_tensor(picked, llp), mask))
         # another base model, same adapter
         specs, blobs = published[v]
-        liar_engine.load_adapter(v, specs, blobs)
-        liar = generate(liar_engine, v)
-        rec, b = auditor.shadow_logprobs(liar, v)
-        res["other_base_shadow"].append(mismatch(rec, b["sampling_logps"], b["mask"]))
-        llp, mask = learner_logprobs(liar)
-        res["other_base_learner"].append(mismatch(llp, claimed_tensor(liar, llp), mask))
+        if liar_engine is not None:
+            liar_engine.load_adapter(v, specs, blobs)
+            liar = generate(liar_engine, v)
+            rec, b = auditor.shadow_logprobs(liar, v)
+            res["other_base_shadow"].append(mismatch(rec, b["sampling_logps"], b["mask"]))
+            llp, mask = learner_logprobs(liar)
+            res["other_base_learner"].append(mismatch(llp, claimed_tensor(liar, llp), mask))
         # wrong version, both directions, up to max_staleness apart
         for k in range(1, 5):
             u = v - k
@@ -208,6 +235,7 @@ def main(argv=None) -> int:
                 res["bf16_volunteer_shadow"].append(mismatch(rec, b["sampling_logps"], b["mask"]))
                 llp, mask = learner_logprobs(groups)
                 res["bf16_volunteer_learner"].append(mismatch(llp, claimed_tensor(groups, llp), mask))
+                bf16_versions.append(v)
         # train on two honest batches (8 groups: the default groups_per_step), publish the next version
         s0 = time.perf_counter()
         learner.step([g for groups in batches[:2] for g in groups])
@@ -231,7 +259,7 @@ def main(argv=None) -> int:
         return d
 
     out = {"tolerance": tol, "statistic": "max over completions of the trimmed mean |claimed - recomputed| logprob per token (largest 1 in 16 left out; completions under 4 tokens pooled, no verdict under 4 pooled tokens)",
-           "model": "built-in tiny (asyncrl/tiny-qwen2)", "versions": args.versions,
+           "model": "built-in tiny (asyncrl/tiny-qwen2)" if tiny else args.model, "versions": args.versions,
            "batch": {"prompts": args.prompts, "group_size": args.group_size, "max_new_tokens": args.max_new_tokens},
            "honest": {"shadow": summary(res["honest_shadow"], False), "learner": summary(res["honest_learner"], False)},
            "fabricated": {"shadow": {k: summary(v, True) for k, v in fab.items()},
@@ -268,15 +296,57 @@ def main(argv=None) -> int:
         "note": "fraction of learner step time; 'every batch on shadow' is the worst case (all volunteers new, "
                 "all batches one version behind); current-version batches reuse the learner's forward pass",
     }
+    out["learned"] = learned_tolerances(
+        cfg, tol, args.learn_batches or cfg.audit_learn_batches,
+        {"transformers/fp32": (res["honest_shadow"], honest_versions),
+         "transformers/bf16": (res["bf16_volunteer_shadow"], bf16_versions)},
+        {"fabricated": [x for v in fab.values() for x in v] + res["cherry_picked_shadow"],
+         "wrong_version": res["wrong_version_shadow"], "other_base": res["other_base_shadow"]})
     out["wall_s"] = time.time() - t0
     t = out["totals"]
-    print(json.dumps({"tolerance": tol, **t, "cost": out["cost"]}, indent=1))
+    print(json.dumps({"tolerance": tol, **t, "learned": out["learned"], "cost": out["cost"]}, indent=1))
     Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(args.json_out, out, indent=1)
-    ok = (t["honest_batches"] >= 500 and t["false_rejects"] == 0 and t["fabricated_caught_rate"] >= 0.99
-          and t["wrong_version_caught_rate"] >= 0.99)
+    learned_ok = all(c["learned"] and c["struck"] == 0 and c["rejected_after_learning"] == 0
+                     and c["caught"]["fabricated"]["rate"] >= 0.99 for c in out["learned"].values() if c["batches"])
+    if tiny:
+        ok = (t["honest_batches"] >= 500 and t["false_rejects"] == 0 and t["fabricated_caught_rate"] >= 0.99
+              and t["wrong_version_caught_rate"] >= 0.99 and learned_ok)
+    else:  # a real model: judged by the tolerances its engine classes learn, as a coordinator judges it
+        ok = learned_ok
     print("PASS" if ok else "FAIL", f"-> {args.json_out}")
     return 0 if ok else 1
+
+
+def learned_tolerances(cfg, base: float, learn_batches: int, honest: dict, attacks: dict) -> dict:
+    """Each engine class's honest statistics, in order, through the coordinator's AuditPolicy (learning
+    period, then its learned tolerance); then every attack judged against that tolerance."""
+    from asyncrl.coordinator.audit_policy import AuditPolicy
+
+    out = {}
+    for cls, (stats, versions) in honest.items():
+        kind, dtype = cls.split("/")
+        policy = AuditPolicy(base, margin=cfg.audit_margin, learn_batches=learn_batches,
+                             learn_tolerance=cfg.audit_learn_tolerance, quarantine_passes=cfg.audit_quarantine_passes,
+                             quarantine_strikes=cfg.audit_quarantine_strikes)
+        rejected_learning = rejected_after = 0
+        for stat, version in zip(stats, versions):
+            learning = policy.learning(dtype, kind)
+            j = policy.judge(b"honest", stat, dtype, kind, trained=version > 0)
+            if not j.ok:
+                rejected_learning += learning
+                rejected_after += not learning
+        tol_learned = None if policy.learning(dtype, kind) else policy.tolerance(dtype, kind)
+        judge_at = tol_learned if tol_learned is not None else policy.learn_tolerance
+        caught = {name: {"n": len(xs), "caught": sum(1 for x in xs if x > judge_at),
+                         "rate": sum(1 for x in xs if x > judge_at) / len(xs) if xs else None}
+                  for name, xs in attacks.items()}
+        out[cls] = {"batches": len(stats), "learn_batches": learn_batches, "learned": tol_learned is not None,
+                    "tolerance": tol_learned, "ceiling": policy.learn_tolerance, "base": base,
+                    "honest_worst": max(stats) if stats else None,
+                    "rejected_while_learning": rejected_learning, "rejected_after_learning": rejected_after,
+                    "struck": policy.stats["strikes"], "caught": caught}
+    return out
 
 
 if __name__ == "__main__":

@@ -187,7 +187,7 @@ def main() -> int:
                               "--_host", host, *common], stdout=open(work / "coordinator.log", "w"),
                              stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        deadline = time.time() + 180
+        deadline = time.time() + 600  # a loaded machine starts a coordinator slowly
         while not (run_dir / "join.txt").exists():
             if coord.poll() is not None or time.time() > deadline:
                 print((work / "coordinator.log").read_text()[-2000:])

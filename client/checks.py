@@ -59,12 +59,14 @@ def tcp_check(addr) -> Check:
 
 
 def exchange(node, coordinator_peer_id: str, *, dial_back_ports: tuple[int, ...] = (),
-             timeout: float = INFO_TIMEOUT_S) -> Handshake:
-    """One InfoRequest -> CoordinatorInfo round trip (TransportError / ProtocolError on failure)."""
+             timeout: float = INFO_TIMEOUT_S, missing_rewards: tuple[str, ...] = ()) -> Handshake:
+    """One InfoRequest -> CoordinatorInfo round trip (TransportError / ProtocolError on failure).
+    `missing_rewards`: tell the coordinator which of its reward packages we lack (its answer refuses us)."""
     from asyncrl.swarm import streams
 
     request = handshake.InfoRequest(client_version=handshake.package_version(),
-                                    dial_back_ports=tuple(dial_back_ports)[:handshake.MAX_DIAL_BACK_PORTS])
+                                    dial_back_ports=tuple(dial_back_ports)[:handshake.MAX_DIAL_BACK_PORTS],
+                                    missing_rewards=tuple(n[:64] for n in missing_rewards)[:handshake.MAX_MISSING_REWARDS])
     t0 = envelope.clock()
     try:
         raw = node.call(coordinator_peer_id, streams.INFO, handshake.encode(request),
@@ -88,6 +90,32 @@ def version_check(hs: Handshake | None, *, local: str) -> Check:
     if refusal is not None:
         return Check("versions", FAIL, f"{refusal[0].value}: {local}; {theirs}", refusal[1], code=refusal[0].value)
     return Check("versions", PASS, f"{local}; {theirs}")
+
+
+def missing_reward_packages(info: handshake.CoordinatorInfo) -> list[handshake.RewardPackage]:
+    """The run's reward packages this installation lacks, or has at another version (by entry point)."""
+    from asyncrl.tasks.rewards import reward_package
+
+    return [p for p in info.reward_packages if reward_package(p.reward) != (p.package, p.version)]
+
+
+def reward_packages_check(hs: Handshake) -> Check:
+    """Every package the run's rewards come from, installed at the run's version: otherwise each leased
+    group would fail to score (UnknownReward) or score differently (REWARD_MISMATCH)."""
+    from asyncrl.tasks.rewards import reward_package
+
+    missing = missing_reward_packages(hs.info)
+    if not missing:
+        names = ", ".join(f"{p.package} {p.version}" for p in hs.info.reward_packages)
+        return Check("rewards", PASS, f"reward packages: {names}" if names else "only built-in rewards")
+    have = []
+    for name, version in handshake.package_versions(missing):
+        rewards = [p.reward for p in missing if (p.package, p.version) == (name, version)]
+        mine = {reward_package(r) for r in rewards} - {None}
+        here = ", ".join(f"{d} {v}" for d, v in sorted(mine)) or "not installed"
+        have.append(f"rewards {', '.join(rewards)} from {name} {version} (this machine: {here})")
+    return Check("rewards", FAIL, "this run scores with " + "; ".join(have), handshake.install_line(missing),
+                 code=RejectCode.REWARD_PACKAGE_MISSING.value)
 
 
 def run_state_check(hs: Handshake) -> Check | None:
@@ -140,6 +168,7 @@ def cheap_join_checks(node, coordinator_peer_id: str) -> tuple[Handshake, list[C
     env = environment_check(hs)
     if env is not None:
         checks.append(env)
+    checks.append(reward_packages_check(hs))
     return hs, checks
 
 

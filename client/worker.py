@@ -159,6 +159,8 @@ class VolunteerStatus:
     pause_reason: str = ""
     paused_s: float = 0.0  # time paused by polite mode or `asyncrl-client pause`
     leases_returned: int = 0  # unfinished leases given back on a pause (instead of letting them expire)
+    canary: dict = field(default_factory=dict)  # the last adapter-identity check (models/canary.py)
+    canary_failures: int = 0  # versions refused because the engine did not match the coordinator's canary
 
 
 @dataclass
@@ -285,6 +287,8 @@ class Volunteer:
         self._settled = threading.Event()  # an upload was answered
         self._uploader = None
         self._upload_backoff = 1.0
+        self.canary_refused: int | None = None  # a version whose canary failed: no work until a newer one passes
+        self._canary_report = None  # a passed canary, said with the next lease request
         if self.outbox.migrated:
             self.out(f"converted {self.outbox.migrated} spooled batches from an older client to payloads")
 
@@ -330,10 +334,23 @@ class Volunteer:
             raise RunFinished(f"run {hs.info.run_id!r} has finished; nothing to do (`join --follow` waits for the next)")
         for check in checks:
             if check.status == FAIL:
+                if check.code == RejectCode.REWARD_PACKAGE_MISSING.value:
+                    self._report_missing_rewards(hs)
                 raise JoinCheckFailed(check)
             if check.status == WARN:
                 self.display.event("warning", f"warning: {check.detail}; {check.fix}")
         return hs
+
+    def _report_missing_rewards(self, hs) -> None:
+        """Say which reward packages we lack before we leave, so the operator sees it on the dashboard (no
+        lease was asked for; the refusal is no strike). Best effort: we leave either way."""
+        from .checks import exchange, missing_reward_packages
+
+        try:
+            exchange(self.node, self.coordinator_peer_id,
+                     missing_rewards=tuple(p.reward for p in missing_reward_packages(hs.info)))
+        except Exception as exc:  # noqa: BLE001 - the refusal stands whether or not the report arrived
+            self.display.event("warning", f"could not tell the coordinator about the missing packages: {exc}")
 
     def _wait_for_next_run(self, hs):
         """--follow: ask the coordinator again, less and less often, until it runs an unfinished run."""
@@ -388,13 +405,11 @@ class Volunteer:
             raise BaseModelMismatch(exc.code.value, exc.detail) from None
         if not self.cfg.quiet:
             self.out(f"base model {pin.name} at {pin.short()} verified ({base.path})")
-        from .engine import capped_memory_utilization
-
-        utilization = capped_memory_utilization(self.cfg.gpu_memory_utilization, self.cfg.max_gpu_memory_gb, out=self.out)
         # the task's longest sequence (manifest), not the model's whole context: that memory goes to batch
         context = self.cfg.max_model_len or manifest.max_context_tokens or None
         self.engine = make_engine(self.cfg.engine, base.path, manifest.lora, seed=self.cfg.seed,
-                                  gpu_memory_utilization=utilization,
+                                  gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+                                  max_gpu_memory_gb=self.cfg.max_gpu_memory_gb,  # the engine's own budget
                                   max_model_len=context, stop_token_ids=pin.stop_token_ids,
                                   out=self.out)
         self.out(engine_sizing(self.engine, manifest, capped_by_user=bool(self.cfg.max_model_len)))
@@ -451,6 +466,13 @@ class Volunteer:
                                            f"{self.outbox.max_bytes}); pausing generation until uploads succeed")
                         self.stop.wait(backoff)
                         backoff = min(MAX_BACKOFF_S, backoff * 2)
+                        continue
+                    if self.canary_refused is not None:  # the engine did not really load it: wait for a newer one
+                        self._return_ahead(ahead, f"adapter v{self.canary_refused} failed its canary")
+                        if self.status.state != "refused":
+                            self.status.state = "refused"
+                            self._write_status()
+                        self.stop.wait(self.cfg.poll_s)
                         continue
                     reason = self.polite.busy()  # --only-when-idle / `asyncrl-client pause`
                     if reason is not None:
@@ -568,6 +590,25 @@ class Volunteer:
             adapter = self.hold.select(adapter)
             if adapter is None:
                 return
+        t0 = time.perf_counter()
+        self._load_into_engine(adapter)
+        verdict = self._canary(adapter)
+        if verdict is not None and not verdict.passed:  # once more: a load can fail transiently
+            self._load_into_engine(adapter)
+            verdict = self._canary(adapter)
+        if verdict is not None:
+            self._report_canary(adapter.version, verdict, time.perf_counter() - t0)
+            if not verdict.passed:  # never spend GPU time on a version the engine did not really load
+                self.canary_refused = adapter.version
+                return
+        self.canary_refused = None
+        self.serving_version = adapter.version  # what batches are tagged with (== the newest unless --hold-version)
+        self.status.versions_loaded.append(adapter.version)
+        if not self.cfg.quiet:
+            self.out(f"[{self.name}] adapter v{adapter.version} loaded ({adapter.manifest.codec}, "
+                     f"{adapter.manifest.compressed_bytes} bytes)")
+
+    def _load_into_engine(self, adapter) -> None:
         try:
             self.engine.load_adapter(adapter.version, adapter.manifest.tensors, adapter.tensors)
         except (ValueError, RuntimeError) as exc:  # shapes/names that do not fit this base model
@@ -575,11 +616,41 @@ class Volunteer:
                 "ADAPTER_MISMATCH", f"the coordinator's adapter is for base model {adapter.manifest.base_model!r} "
                 f"(revision {adapter.manifest.base_revision}); it does not fit {getattr(self, 'model_name', '?')!r}: "
                 f"{str(exc)[:200]}") from None
-        self.serving_version = adapter.version  # what batches are tagged with (== the newest unless --hold-version)
-        self.status.versions_loaded.append(adapter.version)
-        if not self.cfg.quiet:
-            self.out(f"[{self.name}] adapter v{adapter.version} loaded ({adapter.manifest.codec}, "
-                     f"{adapter.manifest.compressed_bytes} bytes)")
+
+    def _canary(self, adapter):
+        """The engine's verdict on the version's canary (models/canary.py); None when the manifest has none
+        or the engine cannot score a given completion."""
+        canary, score = adapter.manifest.canary, getattr(self.engine, "score", None)
+        if canary is None or score is None:
+            return None
+        from asyncrl.models.canary import canary_tokens, judge
+
+        prompt, completion = canary_tokens(canary)
+        try:
+            scored = score(prompt, completion)
+        except Exception as exc:  # noqa: BLE001 - an engine that cannot score is not proof of a missing adapter
+            self.display.event("warning", f"[{self.name}] adapter v{adapter.version}: the canary could not be "
+                               f"scored ({exc.__class__.__name__}: {str(exc)[:200]}); going on without it")
+            return None
+        return judge(scored, canary, dtype=engine_dtype(self.engine))
+
+    def _report_canary(self, version: int, verdict, seconds: float) -> None:
+        """Tell the user (one line on failure) and the coordinator (a health report: with the next lease
+        request, or at once when we refuse the version and will ask for no work)."""
+        report = messages.CanaryReport(version=version, passed=verdict.passed, diff=round(verdict.diff, 6),
+                                       base_diff=round(verdict.base_diff, 6))
+        self.status.canary = {"version": version, "passed": verdict.passed, "diff": round(verdict.diff, 6),
+                              "base_diff": round(verdict.base_diff, 6), "seconds": round(seconds, 4)}
+        if verdict.passed:
+            self._canary_report = report
+            return
+        self.status.canary_failures += 1
+        self.display.event("warning", f"[{self.name}] {verdict.explain(version)}", code="CANARY_FAILED")
+        try:
+            self._rpc().call(adapter_version=getattr(self, "serving_version", 0), canary=report)
+        except Exception as exc:  # noqa: BLE001 - said again with the next request
+            self._canary_report = report
+            self.display.event("warning", f"could not report the failed canary yet ({exc})")
 
     def _rpc(self):
         from .lease_rpc import LeaseRpc
@@ -588,8 +659,10 @@ class Volunteer:
                         coordinator_key=self.coordinator_key, run_id=self.run_id, client_name=self.name)
 
     def _lease(self) -> tuple[list[messages.TaskLease], float]:
+        report, self._canary_report = self._canary_report, None
         grant = self._rpc().call(adapter_version=self.serving_version, max_prompts=self.sizer.want(),
-                                 seconds_per_prompt=self.sizer.reported_rate())  # client/lease_sizing.py
+                                 seconds_per_prompt=self.sizer.reported_rate(),  # client/lease_sizing.py
+                                 canary=report)
         self.granted_at = time.monotonic()
         self.latest_version = grant.current_version
         self.sizer.observe_grant(grant)
@@ -701,7 +774,8 @@ class Volunteer:
             generated += self._generate([lease], group_size, sampling)
         return generated, [], None
 
-    def _release(self, leases: list[messages.TaskLease], reason: str | None, *, unscorable: bool = False) -> None:
+    def _release(self, leases: list[messages.TaskLease], reason: str | None, *, unscorable: bool = False,
+                 reward_error: str = "") -> None:
         """Give leases back (a LeaseRequest with `release`): their prompts go to someone else now, instead
         of waiting out the lease timeout (coordinator/taskboard.py `release`). With `unscorable` they are
         leases whose groups our reward check could not score (`LeaseRequest.unscorable`): the coordinator
@@ -712,7 +786,7 @@ class Volunteer:
         ids = tuple(l.lease_id for l in leases)
         for attempt in range(2):
             try:
-                self._rpc().call(adapter_version=self.serving_version,
+                self._rpc().call(adapter_version=self.serving_version, reward_error=reward_error,
                                  **({"unscorable": ids} if unscorable else {"release": ids}))
             except TransportError as exc:
                 if attempt == 0:
@@ -775,14 +849,15 @@ class Volunteer:
                     results.append((lease, group, [s.reward for s in group]))
                     continue
                 try:  # the coordinator re-scores with this same call (coordinator/ingest.py)
-                    results.append((lease, group, tasks.score_group(prompt, texts, [s.token_ids for s in group]).rewards))
+                    results.append((lease, group, tasks.score_group(prompt, texts, [s.token_ids for s in group],
+                                                                   version=work.version).rewards))
                 except Exception as exc:  # noqa: BLE001 - a broken reward costs its group, not the volunteer
                     results.append((lease, group, exc))
         finally:
             work.keeper.finish()
         keeper = work.keeper
         self._count("lease_renewals", keeper.renewals)
-        groups, unscored, lost = [], [], 0
+        groups, unscored, raised, lost = [], [], [], 0
         for lease, group, scored in results:
             if lease.lease_id in keeper.lost:
                 self._abandon(lease, "the coordinator no longer holds it for us (expired)", counter="leases_lost")
@@ -790,11 +865,13 @@ class Volunteer:
                 continue
             if isinstance(scored, Exception):
                 exc = scored
+                why = f"reward {lease.reward!r} failed: {exc.__class__.__name__}: {str(exc)[:300]}"
                 if isinstance(exc, tasks.Unscorable):  # our verifier could not finish: send nothing rather than a guess
                     self._count("groups_unscorable")
                     unscored.append(lease)
-                self._abandon(lease, f"reward {lease.reward!r} failed: {exc.__class__.__name__}: {str(exc)[:300]}",
-                              counter="reward_errors")
+                else:  # the reward function itself raised: the operator must see it (coordinator's log, dashboard)
+                    raised.append((lease, why))
+                self._abandon(lease, why, counter="reward_errors")
                 continue
             comps = []
             for s, reward in zip(group, scored):
@@ -809,6 +886,9 @@ class Volunteer:
                                                 prompt_token_ids=lease.prompt_token_ids, completions=tuple(comps)))
         if unscored:  # said at once: the prompt goes to someone else now, and a poison prompt gets retired
             self._release(unscored, "reward check did not finish", unscorable=True)
+        if raised:
+            self._release([l for l, _ in raised], "reward raised",
+                          reward_error=raised[0][1][:limits.MAX_REWARD_ERROR_CHARS])
         tried = len(work.leases) - len(work.unfinished)  # a pause returns the rest
         if not groups:
             if lost:  # grant to losing it: the sizer learns this machine is too slow for what it asked

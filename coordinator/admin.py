@@ -58,9 +58,10 @@ def run_dir_of(args) -> Path:
     if args.run_dir:
         return Path(args.run_dir)
     if args.config:
-        from .config_file import load_toml, resolve_config
+        from .config_file import load_configs, resolve_config
 
-        return Path(resolve_config(load_toml(args.config), source=args.config).run_dir)
+        values, source = load_configs([args.config])
+        return Path(resolve_config(values, source=source).run_dir)
     return Path(CoordinatorConfig.run_dir)
 
 
@@ -181,6 +182,10 @@ def format_status(snap: dict) -> str:
             lag = "-" if v["lag"] is None else str(v["lag"])
             lines.append(f"  {v['name'][:20]:<20} {v['fingerprint'][:24]:<24} {held:>5} {lag:>4} {v['rollouts']:>8} "
                          f"{v['accepted']:>8}  {rej[:24]:<24} {_ago(v['age_s'])}")
+    if snap.get("capacity"):
+        from .capacity import capacity_line
+
+        lines.append(capacity_line(snap["capacity"]))
     audit = snap.get("audit") or {}
     for cls, e in (audit.get("engines") or {}).items():  # a new engine kind shows here while it learns
         lines.append(f"audit engine {cls}: {e['state']} ({e['samples']}/{e['needed']} batches), tolerance "

@@ -12,7 +12,7 @@ strike is audited with probability max(`floor`, 1/n); with n == 0 (no track reco
 
 How, cheapest first:
   * claimed version == the learner's current version, on a learner that takes the hook (not DDP, whose
-    ranks each see a slice: there every batch is checked at ingest on the shadow, as below): the check is
+    ranks each see a slice: there every batch is checked on the shadow, as below): the check is
     deferred to train time on the learner's own model (`train_hook`, called by `Learner.step` with the
     log-probs of a no-grad pass over the audited groups, before the step's first micro-batch): a failing
     batch is dropped before any gradient exists and the step trains the rest (cost: one forward of the
@@ -22,10 +22,12 @@ How, cheapest first:
     The learner holds the fp32 weights, volunteers the *published* (e.g. bf16-rounded) ones, so a batch
     that fails on the learner's pass is re-checked on the shadow model with the published tensors before
     it is rejected (`shadow_confirms`): a strike always rests on exactly what the volunteer was served.
-  * claimed version older than current (but held): recomputed at ingest on a *shadow model*, a copy of
-    the learner's PEFT model that shares its frozen base weights (only the LoRA tensors are separate),
-    loaded with that version's published (bf16) LoRA tensors — exactly what volunteers serve — under
-    torch.no_grad. The verdict goes back in the ack.
+  * claimed version older than current (but held): recomputed on a *shadow model*, a copy of the
+    learner's PEFT model that shares its frozen base weights (only the LoRA tensors are separate), loaded
+    with that version's published (bf16) LoRA tensors — exactly what volunteers serve — under
+    torch.no_grad. Ingest only routes (`route`: no forward pass inside a submit); the pass itself
+    (`audit_shadow`) runs after the ack on the AuditWorker (coordinator/audit_worker.py), and the batch
+    reaches the learner only if it passes.
   * claimed version older than max_staleness: not audited — the learner drops it unread;
     one older than the versions kept (max_staleness None): STALE_VERSION.
 
@@ -63,7 +65,7 @@ from asyncrl.models.logprobs import CompletionScorer
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 
 from .audit_policy import AuditPolicy
-from .learner import TrainGroup
+from .learner import TrainGroup, rows_of, score_rows
 from .learner import completion_logprobs as learner_logprobs
 
 DEFAULT_TOLERANCE = 0.01  # see docs/SECURITY.md: honest max 6e-4, attacks >= 1.5e-2 (tiny model)
@@ -176,7 +178,9 @@ class Auditor:
     def __init__(self, learner, *, tolerance: float = DEFAULT_TOLERANCE, floor: float = 0.05,
                  keep_versions: int = 5, seed: int = 0, enabled: bool = True, lora_dropout: float = 0.0,
                  max_staleness: int | None = None, store_dir: Path | None = None, policy: AuditPolicy | None = None,
-                 on_verdict: Callable[..., None] | None = None):
+                 on_verdict: Callable[..., None] | None = None, device: str = ""):
+        """`device`: where shadow passes run ("" = the learner's device, sharing its frozen base weights;
+        another device holds a full copy of the model there)."""
         self.learner = learner
         self.policy = policy or AuditPolicy(tolerance)
         self.floor = floor
@@ -186,8 +190,19 @@ class Auditor:
         self.reuse_learner_pass = lora_dropout == 0.0  # a train-mode forward with dropout is not the policy
         self.on_verdict = on_verdict  # (batch_id, signer, code or None on pass, stage, strike=bool)
         self.store_dir = Path(store_dir) if store_dir is not None else None  # published tensors on disk
-        self.model = shadow_model(learner.model) if enabled else None
-        self.scorer = CompletionScorer(self.model) if enabled else None  # models/logprobs.py, as the learner
+        learner_device = getattr(learner, "device", None)
+        self.device = torch.device(device) if device else torch.device(learner_device or "cpu")
+        self.own_copy = bool(device) and self.device != torch.device(learner_device or "cpu")
+        if not enabled:
+            self.model = None
+        elif self.own_copy:  # a separate device: the whole model, not only the adapter, lives there
+            self.model = copy.deepcopy(learner.model).to(self.device).eval()
+            for p in self.model.parameters():
+                p.requires_grad_(False)
+        else:
+            self.model = shadow_model(learner.model)
+        self.scorer = (CompletionScorer(self.model, vocab_limit=len(learner.tokenizer))  # models/logprobs.py,
+                       if enabled else None)                                           # as the learner
         self._rng = random.Random(seed)
         self._lock = threading.Lock()        # guards the shadow model (one audit at a time)
         self._versions: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
@@ -208,7 +223,8 @@ class Auditor:
         return cls(learner, tolerance=cfg.audit_tolerance, floor=cfg.audit_floor, keep_versions=keep,
                    seed=cfg.seed, lora_dropout=cfg.lora_dropout, max_staleness=cfg.max_staleness,
                    enabled=cfg.audit and not getattr(learner, "sharded", False),  # FSDP: a shadow pass needs every rank
-                   store_dir=Path(cfg.run_dir) / "audit_versions", policy=AuditPolicy.from_config(cfg))
+                   store_dir=Path(cfg.run_dir) / "audit_versions", policy=AuditPolicy.from_config(cfg),
+                   device=getattr(cfg, "audit_device", ""))
 
     @property
     def tolerance(self) -> float:
@@ -312,8 +328,22 @@ class Auditor:
 
     def check(self, signer: bytes, batch_id: bytes, version: int, groups, *, valid_streak: int,
               current_version: int, engine_dtype: str = "", engine_kind: str = "") -> str:
-        """Audit (or schedule an audit of) a batch at ingest. Returns "skipped", "stale", "deferred" or
-        "passed"; raises ProtocolError(LOGPROB_MISMATCH | STALE_VERSION)."""
+        """Audit (or schedule an audit of) a batch, here and now: `route`, then `audit_shadow` when it needs
+        a pass of its own (tools, benches, tests; the coordinator queues that pass on its AuditWorker).
+        Returns "skipped", "stale", "deferred", "passed" or "unavailable"; raises
+        ProtocolError(LOGPROB_MISMATCH | STALE_VERSION)."""
+        route = self.route(signer, batch_id, version, groups, valid_streak=valid_streak,
+                           current_version=current_version, engine_dtype=engine_dtype, engine_kind=engine_kind)
+        if route != "queued":
+            return route
+        return self.audit_shadow(signer, batch_id, version, groups, current_version=current_version,
+                                 engine_dtype=engine_dtype, engine_kind=engine_kind, stage="ingest")
+
+    def route(self, signer: bytes, batch_id: bytes, version: int, groups, *, valid_streak: int,
+              current_version: int, engine_dtype: str = "", engine_kind: str = "") -> str:
+        """Ingest's decision, cheap (no forward pass): "skipped" (not sampled), "stale" (the learner drops it
+        unread), "deferred" (the learner's own pass checks it: its groups are flagged) or "queued" (it needs a
+        shadow-model pass: `audit_shadow`, on the AuditWorker)."""
         if not self.enabled or self._rng.random() >= self.probability(valid_streak, signer, engine_dtype, engine_kind):
             self.stats["skipped"] += 1
             return "skipped"
@@ -330,6 +360,16 @@ class Auditor:
                     self._pending.popitem(last=False)
             self.stats["deferred"] += 1
             return "deferred"
+        return "queued"
+
+    def audit_shadow(self, signer: bytes, batch_id: bytes, version: int, groups, *, current_version: int,
+                     engine_dtype: str = "", engine_kind: str = "", stage: str = "audit") -> str:
+        """The shadow-model audit of a routed ("queued") batch. Returns "passed", "unavailable" (a version
+        we should hold but lost: our loss) or "stale" (it went stale while waiting: the learner drops it
+        unread); raises ProtocolError(LOGPROB_MISMATCH, `.strike` set by the policy | STALE_VERSION)."""
+        if self.max_staleness is not None and current_version - version > self.max_staleness:
+            self.stats["stale"] = self.stats.get("stale", 0) + 1
+            return "stale"
         t0 = time.perf_counter()
         try:
             stat = self._shadow_mismatch(groups, version)
@@ -340,7 +380,7 @@ class Auditor:
             raise
         finally:
             self.stats["seconds_ingest"] += time.perf_counter() - t0
-        self._judge(stat, batch_id, signer, "ingest", raise_on_fail=True, engine_dtype=engine_dtype,
+        self._judge(stat, batch_id, signer, stage, raise_on_fail=True, engine_dtype=engine_dtype,
                     engine_kind=engine_kind, version=version)
         return "passed"
 
@@ -419,12 +459,18 @@ class Auditor:
                 load_lora(self.model, tensors)
                 self._loaded = version
             # micro-batched like a training step; the learner's dtype and device (the shadow shares its base)
-            recomputed, mask = self.learner.score_groups(groups, model=self.scorer)
+            recomputed, mask = self._score(groups)
             self.stats["shadow_passes"] += 1
         claimed = torch.zeros_like(recomputed)
         for k, lp in enumerate(lp for g in groups for lp in g.sampling_logprobs):
             claimed[k, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
         return recomputed, {"sampling_logps": claimed, "mask": mask}
+
+    def _score(self, groups) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.own_copy:
+            return self.learner.score_groups(groups, model=self.scorer)
+        return score_rows(self.scorer, rows_of(groups), self.learner.tokenizer.pad_token_id, self.device,
+                          self.learner.micro_batch_tokens)
 
     def _shadow_mismatch(self, groups, version: int) -> float:
         recomputed, batch = self.shadow_logprobs(groups, version)
@@ -472,12 +518,12 @@ class Auditor:
             self._loaded = None  # the shadow now holds the calibration adapter, not a kept version
             groups = self._sample(prompts, temperature=temperature, max_new_tokens=max_new_tokens,
                                   group_size=group_size, seed=seed)
-            ours, mask = self.learner.score_groups(groups, model=self.scorer)  # the audit's own path
+            ours, mask = self._score(groups)  # the audit's own path
             for dtype in dtypes:
                 torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
                 try:
                     with torch.autocast(device_type=device.type, dtype=torch_dtype):
-                        engine, _ = self.learner.score_groups(groups, model=self.scorer)  # an engine in that dtype
+                        engine, _ = self._score(groups)  # an engine in that dtype
                 except (RuntimeError, TypeError) as exc:  # autocast cannot emulate it here: keep the loosest
                     self.policy.calibration[dtype] = {"error": str(exc)[:200]}
                     continue
@@ -493,12 +539,14 @@ class Auditor:
         stop = {t for t in (tok.eos_token_id, pad) if t is not None}
         torch.manual_seed(seed)
         device = next(self.model.parameters()).device
+        rows = getattr(self.model.config, "vocab_size", len(tok))
+        padded = {"suppress_tokens": list(range(len(tok), rows))} if rows > len(tok) else {}  # as the engines
         groups = []
         for ids in prompts:
             inp = torch.tensor([ids], device=device)
             out = self.model.generate(input_ids=inp, attention_mask=torch.ones_like(inp), do_sample=True,
                                       temperature=temperature, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
-                                      num_return_sequences=group_size, pad_token_id=pad)
+                                      num_return_sequences=group_size, pad_token_id=pad, **padded)
             comps = []
             for row in out[:, len(ids):].tolist():
                 cut = next((i for i, t in enumerate(row) if t in stop), len(row))

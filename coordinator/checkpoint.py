@@ -294,9 +294,7 @@ def save(checkpointer: Checkpointer, *, gate: Gate, learner, board, ingest, iden
         with ingest.lock:
             guard = ingest.replay.snapshot()
             clients = _client_stats(ingest)
-        with ingest.queue.mutex:
-            pending = {item.batch_id for item in ingest.queue.queue}
-        pending |= {item.batch_id for item in (held() if held is not None else ())}
+        pending = untrained_ids(ingest, held)
         seen = (journal.ids() if journal is not None else set()) | pending
         board_state = board.state()
     guard = ingest.replay.encode_snapshot(guard)
@@ -314,6 +312,17 @@ def save(checkpointer: Checkpointer, *, gate: Gate, learner, board, ingest, iden
     path = checkpointer.write(learner.steps, meta, {"adapter": adapter, "optimizer": opt_tensors, "rng": rng_tensors},
                               blobs)
     return path
+
+
+def untrained_ids(ingest, held=None) -> set[bytes]:
+    """Accepted batches not trained yet (a checkpoint's pending_ids: --resume re-queues them from the journal):
+    those waiting for their audit (coordinator/audit_worker.py), in the learner's queue, or held by the
+    learner loop (`held()`, the --sync round's). Read in that order: a batch the audit worker passes on
+    meanwhile is in the queue by the time the queue is read, so none falls between the two reads."""
+    pending = set(ingest.awaiting_audit())
+    with ingest.queue.mutex:
+        pending |= {item.batch_id for item in ingest.queue.queue}
+    return pending | {item.batch_id for item in (held() if held is not None else ())}
 
 
 def check_identity(ckpt: Checkpoint, identity: dict) -> None:

@@ -29,8 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="asyncrl-coordinator", description="asyncrl coordinator: learner + publisher")
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="start the coordinator and train until --max-steps")
-    run.add_argument("--config", default=None, help="TOML config file (configs/coordinator.example.toml, model presets "
-                                                    "configs/qwen2.5-*.toml); flags win")
+    run.add_argument("--config", action="append", default=None,
+                     help="TOML config file (configs/coordinator.example.toml, model presets configs/qwen2.5-*.toml); "
+                          "several merge in order (a later file wins), flags win over all; TRL GRPOConfig names "
+                          "are accepted where they mean the same")
     run.add_argument("--dry-run", action="store_true", help="resolve and validate the config, print it as JSON, "
                                                             "start nothing (no model, no network)")
     run.add_argument("--model", default=d.model, help="HF model id, local directory or GGUF file; 'tiny' = built-in "
@@ -169,24 +171,57 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def dry_run_task_problem(cfg) -> str | None:
+    """What --dry-run can check of the task without a model or the network: a JSONL task file exists and
+    every record (and every reward it names, with the columns it has) is valid; a saved dataset directory
+    exists. Hub datasets are not fetched; other task kinds are checked when the coordinator starts."""
+    from pathlib import Path
+
+    from asyncrl.tasks import sources, toy
+
+    spec = cfg.task
+    if spec in toy.TASKS:
+        return None
+    try:
+        if spec.startswith("jsonl:") or spec.endswith(".jsonl"):
+            fields = sources.RecordFields(prompt_field=cfg.task_prompt_field, answer_field=cfg.task_answer_field,
+                                          default_reward=cfg.reward_spec(), system_prompt=cfg.task_system_prompt)
+            sources.read_jsonl(Path(spec[6:] if spec.startswith("jsonl:") else spec), fields)
+        elif spec.startswith("hf:"):
+            local = spec[3:].split(":", 1)[0]
+            if local.startswith(("/", ".")) and not Path(local).exists():
+                return f"dataset directory {local} does not exist"
+    except sources.TaskSourceError as exc:
+        return str(exc)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command != "run":
         from .admin import main as admin_main
 
         return admin_main(args)
-    from .config import ConfigError
-    from .config_file import load_toml, overrides_from_args, resolve_config
+    from .config import TINY_MODELS, ConfigError
+    from .config_file import load_configs, overrides_from_args, resolve_config
     from .reporters import check_available
 
     try:
-        cfg = resolve_config(load_toml(args.config) if args.config else {}, overrides_from_args(args),
-                             source=args.config or "defaults")
+        file_values, source = load_configs(args.config or [])
+        cfg = resolve_config(file_values, overrides_from_args(args), source=source)
         check_available(cfg.report_to)
+        if args.task is None and "task" not in file_values and cfg.model not in TINY_MODELS:
+            raise ConfigError(f"no task given for {cfg.model}: the default task, {cfg.task!r}, is the tiny model's "
+                              "toy task (docs/toy-task.md); name your prompts with --task (data/train.jsonl, "
+                              "hf:<dataset>[:config][:split], reasoning_gym:<dataset>; docs/tasks.md)")
     except ConfigError as exc:
         print(f"asyncrl-coordinator: invalid config: {exc}", file=sys.stderr)
         return 2
     if args.dry_run:
+        problem = dry_run_task_problem(cfg)
+        if problem:
+            print(f"asyncrl-coordinator: invalid task: {problem}", file=sys.stderr)
+            return 2
         print(cfg.to_json())
         return 0
 

@@ -346,6 +346,12 @@ class CoordinatorConfig:
     audit_learn_tolerance: float = 0.05
     """The conservative tolerance while a class learns, and the ceiling of what it learns (nats/token; never
     below audit_tolerance)."""
+    audit_queue: int = 16
+    """Accepted batches that may wait for their shadow-model audit at once (coordinator/audit_worker.py); when
+    full, submits are refused with RATE_LIMITED (volunteers retry from their outbox: nothing is lost)."""
+    audit_device: str = ""
+    """Where shadow-model audits run: "" = the learner's device (sharing its base weights; on CUDA on a stream
+    of their own), or e.g. "cuda:1" (a full copy of the model there)."""
     audit_margin: float = 3.0
     """Learned tolerance = this many times the 0.95 quantile of the class's honest statistics."""
     audit_quarantine_passes: int = 8
@@ -364,6 +370,11 @@ class CoordinatorConfig:
     """TCP port of the dashboard (0 = any free port); the URL is written to <run_dir>/dashboard.txt."""
     report_to: tuple[str, ...] = ()
     """Extra metric sinks: any of "tensorboard", "wandb", "trackio" (each needs its package installed)."""
+    log_completions_every: int = 10
+    """Every this many optimizer steps, append a sample of the step's completions with their rewards (total
+    and per reward function) to <run_dir>/completions.jsonl and show it on the dashboard (0 = never)."""
+    log_completions_count: int = 4
+    """How many completions each such sample holds (spread over the step's prompts)."""
 
     def validate(self) -> "CoordinatorConfig":
         checks = [
@@ -431,10 +442,13 @@ class CoordinatorConfig:
             (self.audit_tolerance > 0, "audit_tolerance must be > 0"),
             (self.audit_margin >= 1.0, "audit_margin must be >= 1"),
             (self.audit_learn_batches >= 1, "audit_learn_batches must be >= 1"),
+            (self.audit_queue >= 1, "audit_queue must be >= 1"),
             (self.audit_learn_tolerance > 0, "audit_learn_tolerance must be > 0"),
             (self.audit_quarantine_passes >= 1 and self.audit_quarantine_strikes >= 1,
              "audit_quarantine_passes and audit_quarantine_strikes must be >= 1"),
             (self.trust_state_every_s > 0, "trust_state_every_s must be > 0"),
+            (self.log_completions_every >= 0, "log_completions_every must be >= 0 (0 = never)"),
+            (1 <= self.log_completions_count <= 64, "log_completions_count must be in [1, 64]"),
             (self.run_id.replace("-", "").replace("_", "").isalnum(), "run_id may hold letters, digits, - and _"),
             (_bad_peer_address(self.initial_peers) is None, f"initial_peers: {_bad_peer_address(self.initial_peers)}"),
         ]

@@ -72,6 +72,8 @@ PAGE = r"""<!doctype html>
       <div class="s" id="ess_sub"></div></div>
     <div class="card"><div class="k">Throughput</div><div class="v" id="throughput">–</div>
       <div class="s" id="throughput_sub"></div></div>
+    <div class="card"><div class="k">Learner idle</div><div class="v" id="capacity">–</div>
+      <div class="s" id="capacity_sub"></div></div>
     <div class="card"><div class="k">Volunteers</div><div class="v" id="volunteers">–</div>
       <div class="s" id="volunteers_sub"></div></div>
     <div class="card"><div class="k">Batches</div><div class="v" id="batches">–</div>
@@ -90,7 +92,7 @@ PAGE = r"""<!doctype html>
     <h2>Swarm</h2>
     <table id="swarm">
       <thead><tr><th>Volunteer</th><th>Fingerprint</th><th class="num">Version held</th><th class="num">Lag</th>
-        <th class="num">Rollouts</th><th class="num">Accepted</th><th>Rejected (by code)</th><th>Last seen</th></tr></thead>
+        <th class="num">Rollouts</th><th class="num">Accepted</th><th>Rejected (by code)</th><th>Canary</th><th>Last seen</th></tr></thead>
       <tbody></tbody>
     </table>
   </section>
@@ -99,6 +101,35 @@ PAGE = r"""<!doctype html>
     <table id="contributors">
       <thead><tr><th>Volunteer</th><th>Fingerprint</th><th class="num">Accepted batches</th>
         <th class="num">Accepted tokens</th><th class="num">Trained groups</th><th class="num">Share</th></tr></thead>
+      <tbody></tbody>
+    </table>
+  </section>
+  <section>
+    <h2>Rewards per function (last step)</h2>
+    <table id="per_reward">
+      <thead><tr><th>Reward</th><th class="num">Mean</th><th class="num">Std</th></tr></thead>
+      <tbody></tbody>
+    </table>
+  </section>
+  <section>
+    <h2>Sampled completions</h2>
+    <table id="completions">
+      <thead><tr><th class="num">Step</th><th>Volunteer</th><th>Prompt</th><th>Completion</th>
+        <th class="num">Reward</th><th>Per function</th></tr></thead>
+      <tbody></tbody>
+    </table>
+  </section>
+  <section>
+    <h2>Reward errors reported by volunteers <span id="reward_errors_total"></span></h2>
+    <table id="reward_errors">
+      <thead><tr><th>Volunteer</th><th>Error</th><th class="num">Leases</th><th>When</th></tr></thead>
+      <tbody></tbody>
+    </table>
+  </section>
+  <section>
+    <h2>Volunteers refused at the handshake <span id="refusals_total"></span></h2>
+    <table id="refusals">
+      <thead><tr><th>Volunteer</th><th>Why (and what to install or upgrade)</th><th>When</th></tr></thead>
       <tbody></tbody>
     </table>
   </section>
@@ -214,6 +245,13 @@ function render(d) {
   set("throughput", fmt(st.throughput.rollouts_per_s, 1) + "/s");
   set("throughput_sub", "rollouts · " + fmt(st.throughput.tokens_per_s, 0) + " tokens/s trained · " +
       fmt(st.throughput.steps_per_min, 1) + " steps/min");
+  const cap = d.capacity || {};  // coordinator/capacity.py
+  set("capacity", cap.learner_idle_fraction === null || cap.learner_idle_fraction === undefined ? "–" :
+      fmt(100 * cap.learner_idle_fraction, 0) + "%");
+  set("capacity_sub", cap.rollouts_needed_per_s === null || cap.rollouts_needed_per_s === undefined ? "" :
+      (cap.keeps_learner_busy ? "the swarm keeps it busy · " : "the swarm does not keep it busy · ") +
+      fmt(cap.swarm_rollouts_per_s, 1) + " of " + fmt(cap.rollouts_needed_per_s, 1) + " rollouts/s needed" +
+      (cap.more_volunteers_needed ? " · ~" + cap.more_volunteers_needed + " more volunteers of the kinds seen" : ""));
   const live = vols.filter(v => v.live).length;
   set("volunteers", live); set("volunteers_sub", "live of " + vols.length + " seen");
   const acc = vols.reduce((a, v) => a + v.accepted, 0);
@@ -232,7 +270,7 @@ function render(d) {
 
   const tbody = $("swarm").tBodies[0];
   tbody.replaceChildren();
-  if (!vols.length) emptyRow(tbody, 8, "no volunteer has joined yet");
+  if (!vols.length) emptyRow(tbody, 9, "no volunteer has joined yet");
   for (const v of vols) {
     const tr = document.createElement("tr");
     tr.setAttribute("data-volunteer", v.name);
@@ -246,6 +284,7 @@ function render(d) {
     cell(tr, String(v.accepted), "num");
     const codes = Object.entries(v.rejected).map(([k, n]) => k + " ×" + n).join(", ");
     cell(tr, codes || "none", codes ? "rej" : "empty");
+    cell(tr, v.canary || "–", v.canary && v.canary.includes("FAILED") ? "rej canary" : "canary");
     cell(tr, ago(v.age_s));
     tbody.appendChild(tr);
   }
@@ -270,6 +309,46 @@ function render(d) {
     cell(tr, p.latency_s != null ? p.latency_s.toFixed(2) + " s" : "–", "num");
     cell(tr, new Date(p.t * 1000).toLocaleTimeString() + " (" + ago(d.time - p.t) + ")");
     pbody.appendChild(tr);
+  }
+  const rbody = $("per_reward").tBodies[0];
+  rbody.replaceChildren();
+  const per = Object.entries(st.per_reward || {});
+  if (!per.length) emptyRow(rbody, 3, "no step yet");
+  for (const [name, s] of per) {
+    const tr = document.createElement("tr");
+    tr.setAttribute("data-reward", name);
+    cell(tr, name); cell(tr, fmt(s.mean), "num"); cell(tr, fmt(s.std), "num");
+    rbody.appendChild(tr);
+  }
+  const sbody = $("completions").tBodies[0];
+  sbody.replaceChildren();
+  if (!(d.completions || []).length) emptyRow(sbody, 6, "no sample yet (log_completions_every)");
+  for (const c of d.completions || []) {
+    const tr = document.createElement("tr");
+    cell(tr, String(c.step), "num"); cell(tr, c.client); cell(tr, c.prompt.slice(-200), "mono");
+    cell(tr, c.completion.slice(0, 400), "mono"); cell(tr, fmt(c.reward), "num");
+    cell(tr, Object.entries(c.rewards).map(([k, v]) => k + " " + fmt(v)).join(", "));
+    sbody.appendChild(tr);
+  }
+  const errs = d.reward_errors || {total: 0, recent: []};
+  set("reward_errors_total", errs.total ? "(" + errs.total + ")" : "");
+  const ebody = $("reward_errors").tBodies[0];
+  ebody.replaceChildren();
+  if (!errs.recent.length) emptyRow(ebody, 4, "none");
+  for (const e of errs.recent.slice(0, 10)) {
+    const tr = document.createElement("tr");
+    cell(tr, e.client); cell(tr, e.error, "rej"); cell(tr, String(e.leases), "num"); cell(tr, ago(d.time - e.t));
+    ebody.appendChild(tr);
+  }
+  const refused = d.handshake_refusals || {total: 0, recent: []};
+  set("refusals_total", refused.total ? "(" + refused.total + ")" : "");
+  const fbody = $("refusals").tBodies[0];
+  fbody.replaceChildren();
+  if (!refused.recent.length) emptyRow(fbody, 3, "none");
+  for (const e of refused.recent.slice(0, 10)) {
+    const tr = document.createElement("tr");
+    cell(tr, e.client); cell(tr, e.error, "rej"); cell(tr, ago(d.time - e.t));
+    fbody.appendChild(tr);
   }
   set("updated", new Date().toLocaleTimeString()); set("error", "");
 }

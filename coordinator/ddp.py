@@ -322,8 +322,9 @@ class ShardedLearner(DistributedLearner):
     `ignored_params`: replicated plain tensors on every rank, so optimizer, export, checkpoints and
     publishing are unchanged; their gradients are summed with one all-reduce per step (`_finish_gradients`).
     Every rank runs the same number of micro-batches (as under DDP; here each forward is a sequence of
-    all-gathers). The base model is loaded on the host and sharded onto the
-    device. Under FSDP the ingest-time audit is off too (its shadow forward would need every rank)."""
+    all-gathers). Only rank 0 reads the base (one host copy); the other ranks build it on the meta device,
+    and after sharding every rank's shards come from rank 0's copy tensor by tensor
+    (`set_model_state_dict(broadcast_from_rank0=True)`), so host RAM holds one base, not one per rank. Under FSDP the ingest-time audit is off too (its shadow forward would need every rank)."""
 
     sharded = True
 
@@ -335,20 +336,33 @@ class ShardedLearner(DistributedLearner):
             start_heartbeat(self.comm, heartbeat_s)
 
     def _load_device(self) -> str:
-        return "cpu"
+        return "cpu" if world()[0] == 0 else "meta"  # one host copy of the base, on rank 0 only
 
     def _prepare_model(self) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         cuda = _join_process_group(self)
         mesh = init_device_mesh("cuda" if cuda else "cpu", (self.world,))
+        full = self.model.state_dict() if self.rank == 0 else {}  # rank 0's weights and LoRA init, on the host
         lora = {p for p in self.model.parameters() if p.requires_grad}
         for layer in self.model.get_base_model().get_decoder().layers:
             fully_shard(layer, mesh=mesh, ignored_params=lora)
         fully_shard(self.scorer, mesh=mesh, ignored_params=lora)
-        for p in lora:
-            p.data = p.data.to(self.device)
+        if self.rank == 0:
+            for p in lora:  # fully_shard leaves ignored parameters where they are
+                p.data = p.data.to(self.device)
+        else:
+            self.model.to_empty(device=self.device)  # this rank's shards and the LoRA tensors, uninitialised
+        # Every rank's shards (and the replicated LoRA init) from rank 0's host copy, tensor by tensor.
+        set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        del full
+        for module in self.model.modules():  # buffers outside the state dict (rotary tables): rank 0's
+            for buf in module.buffers(recurse=False):
+                self.comm.broadcast(buf, src=0)
+            if hasattr(module, "original_inv_freq") and hasattr(module, "inv_freq"):
+                module.original_inv_freq = module.inv_freq.clone()
         self.ddp = self.scorer  # the sharded module: every forward goes through it
 
     def _sync(self, last: bool):

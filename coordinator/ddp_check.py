@@ -12,8 +12,9 @@ resulting LoRA parameters to `--out` as safetensors, keyed `<loss type>/<paramet
     torchrun --standalone --nproc-per-node 2 -m asyncrl.coordinator.ddp_check --device cuda --out /tmp/nccl.safetensors
 
 tests/coordinator/test_ddp.py runs these commands on CPU (gloo). `--device` picks each rank's learner device
-(cuda: cuda:LOCAL_RANK with NCCL); rank 0 writes next to `--out` (`<out>.collectives.json`) the device of every
-collective it issued, which must be the learner's. `--timeout-s` sets the collective timeout and `--idle-s`
+(cuda: cuda:LOCAL_RANK with NCCL); every rank writes next to `--out` (`<out>.rank<R>.json`) the device of every
+collective it issued, which must be the learner's, and where it loaded the base (FSDP: rank 0 on the host,
+the others on the meta device). `--timeout-s` sets the collective timeout and `--idle-s`
 makes rank 0 wait that long (heartbeats only) before its first step, as a coordinator waits for rollouts.
 """
 
@@ -76,12 +77,13 @@ def run(out: str, *, steps: int, groups_per_step: int, loss_types: list[str], se
         for name, value in learner.lora_parameters().items():
             result[f"{loss_type}/{name}"] = value.detach().cpu().contiguous()
         if size > 1:
-            collectives.append({"loss_type": loss_type, "learner_device": str(learner.device), **learner.comm.report()})
+            collectives.append({"loss_type": loss_type, "learner_device": str(learner.device),
+                                "base_loaded_on": learner._load_device(), **learner.comm.report()})
+    if collectives:  # every rank: what it loaded the base on and where its collectives ran
+        with open(f"{out}.rank{rank}.json", "w") as f:
+            json.dump({"world_size": size, "rank": rank, "learners": collectives}, f, indent=2)
     if rank == 0:
         save_file(result, out)
-        if collectives:
-            with open(out + ".collectives.json", "w") as f:
-                json.dump({"world_size": size, "learners": collectives}, f, indent=2)
         print(f"wrote {len(result)} tensors from {size} process(es) to {out}", flush=True)
     finish_rank(0)  # under torchrun every rank ends here; a single process returns
 

@@ -62,7 +62,9 @@ class HandshakeDesk:
     def __init__(self, *, run_id: str, gate: GatePolicy, window_s: float, max_staleness: int | None,
                  lease_timeout_s: float, pointer: Callable[[], bytes | None], finished: Callable[[], bool],
                  announced_ports: Callable[[str], Awaitable[set[int]]] | None = None, clock=None,
-                 environment: str = ""):
+                 environment: str = "",
+                 reward_packages: tuple[handshake.RewardPackage, ...] = (),
+                 on_refusal: Callable[[dict], None] | None = None):
         self.run_id = run_id
         self.gate = gate
         self.window_s = window_s
@@ -71,6 +73,8 @@ class HandshakeDesk:
         self.pointer = pointer
         self.finished = finished
         self.environment = environment  # the run's environment pin (JSON) or ""
+        self.reward_packages = tuple(reward_packages)  # what every volunteer must have installed
+        self.on_refusal = on_refusal  # the operator's view of who was turned away at the door, and why
         self._clock = clock  # None: monotonic (TokenBucket's default)
         self.dial_backs = TokenBucket(DIAL_BACKS_PER_S, DIAL_BACK_BURST, self._now())
         self.announced_ports = announced_ports  # peer -> the TCP ports its node announces (None: none known)
@@ -102,6 +106,11 @@ class HandshakeDesk:
             return self.run_id.encode()  # asyncrl 0.1's handshake
         req = handshake.decode_request(request)  # ProtocolError -> the caller gets its code
         refusal = self.gate.refusal(protocol=req.protocol, schema=req.schema, client_version=req.client_version)
+        if refusal is None and req.missing_rewards:  # the volunteer checked our reward_packages and lacks some
+            refusal = self.missing_rewards(req.missing_rewards)
+        if refusal is not None and self.on_refusal is not None:
+            self.on_refusal({"peer": peer, "addr": addr[:256], "client_version": req.client_version,
+                             "code": refusal[0].value, "detail": refusal[1]})
         reachable = await self._dial_back(peer, addr, req.dial_back_ports) if req.dial_back_ports else ()
         return handshake.encode(handshake.CoordinatorInfo(
             run_id=self.run_id, asyncrl_version=handshake.package_version(), protocol=handshake.PROTOCOL_VERSION,
@@ -109,7 +118,17 @@ class HandshakeDesk:
             refused=refusal[0].value if refusal else "", detail=refusal[1] if refusal else "",
             finished=self.finished(), pointer=self.pointer() or b"", observed_addr=addr[:256],
             reachable_ports=reachable, max_staleness=self.max_staleness, lease_timeout_s=self.lease_timeout_s,
-            environment=self.environment))
+            environment=self.environment, reward_packages=self.reward_packages))
+
+    def missing_rewards(self, names) -> tuple:
+        """REWARD_PACKAGE_MISSING with the install line for the packages of the rewards `names`."""
+        from asyncrl.protocol.errors import RejectCode
+
+        wanted = [p for p in self.reward_packages if p.reward in set(names)] or list(self.reward_packages)
+        return (RejectCode.REWARD_PACKAGE_MISSING,
+                f"this run's rewards {', '.join(repr(p.reward) for p in wanted)} come from "
+                f"{', '.join(f'{n} {v}' for n, v in handshake.package_versions(wanted))}: "
+                f"{handshake.install_line(wanted)}"[:2000])
 
     async def _dial_back(self, peer: str, addr: str, ports: tuple[int, ...]) -> tuple[int, ...]:
         hit = re.match(r"/ip([46])/([^/]+)/", addr)

@@ -13,20 +13,25 @@ the nonce) or being verified right now (RATE_LIMITED) -> strict decode + shape/r
 FUTURE_VERSION) -> every lease known and held by the signer -> finish reasons derived from the tokens and the published
 stop set (protocol.messages.derive_finish_reason; a claim that differs, or tokens after a stop token, is
 MALFORMED) -> rewards recomputed from the completions (REWARD_MISMATCH; a completion our verifier cannot
-score drops its group, UNSCORABLE, no blame) -> generation audit (coordinator/audit.py: LOGPROB_MISMATCH
-now, or deferred to the learner's forward pass).
+score drops its group, UNSCORABLE, no blame) -> generation audit *routing* (coordinator/audit.py `route`:
+not sampled, deferred to the learner's own forward pass, or queued for a shadow-model pass on the
+AuditWorker, coordinator/audit_worker.py). No audit runs inside a submit: its verdict comes after the ack.
 Only rejects raised after the signature verified are charged to the signer (client stats, strikes in
 coordinator/access.py); earlier ones, and copies sent by another peer, are charged to the transport peer.
 
 Commit, in this order, so an ack always means "durable here" and nothing is half-done: journal the
-batch (coordinator/journal.py) -> complete *all* its leases or none (a lease that expired mid-batch
-refuses the batch and changes nothing) -> queue it for the learner (room was reserved before the nonce;
+batch (coordinator/journal.py; a batch queued for its audit is journalled with its groups' audit flag, so
+a --resume audits it before training it) -> complete *all* its leases or none (a lease that expired
+mid-batch refuses the batch and changes nothing) -> queue it for the learner, or for its audit first
+(the AuditWorker hands it to the learner's queue if it passes, drops it if not; room in both was reserved
+before the nonce;
 should the put still fail, the leases are reopened and the journal entry removed) -> remember its id
 (`seen`) -> a coordinator-signed receipt (coordinator/receipts.py; a retried accepted batch gets the same
 receipt again) -> ack. A failed journal write therefore leaves nothing behind: no `seen` id whose
 DUPLICATE_BATCH ack would make a volunteer delete a batch that is nowhere.
-Back-pressure invariant: ingest never blocks the P2P loop; when the queue is full the batch is refused
-with RATE_LIMITED and stays in the volunteer's outbox for a later retry — nothing is dropped silently.
+Back-pressure invariant: ingest never blocks the P2P loop; when the learner's queue or the audit queue
+is full (held + queued + in flight >= its size) the batch is refused with RATE_LIMITED before its nonce
+is spent and stays in the volunteer's outbox for a later retry — nothing is dropped silently.
 
 Memory is bounded over a run of any length (coordinator/ingest_books.py): per-key stats in an LRU table,
 scalars only in the accepted log, a bucketed reward trace, seen ids capped and persisted incrementally.
@@ -99,13 +104,15 @@ class Ingest:
                  current_version, max_batch_bytes: int, window_s: float, queue_groups: int = 256, journal=None,
                  access=None, auditor=None, sampling: messages.SamplingParams | None = None, is_published=None,
                  stop_token_ids: tuple[int, ...] = (), context_limit: int | None = None, receipts=None,
-                 seen_path=None,
+                 seen_path=None, audit_queue: int = 16,
                  max_seen_ids: int = 2_000_000, max_clients: int = 10_000, replay_entries: int = 200_000):
         self.audience = identity_public_key
         self.run_id = run_id
         self.board = board
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        # ids the tokenizer has: the embedding rows past it decode to "" and no honest engine samples them
+        self.vocab_limit = len(tokenizer) if tokenizer is not None else None
         self.current_version = current_version  # callable -> int (the learner's version)
         # callable(version) -> bool: could a volunteer hold it? (coordinator/publisher.py: not ahead of the
         # newest published one, not one superseded before publication). Default: not ahead of current.
@@ -136,11 +143,23 @@ class Ingest:
         if self.bounds is not None and self.bounds.table is None:
             self.bounds = None
         self._inflight: set[bytes] = set()  # batch ids being verified (a concurrent copy waits its turn)
+        self.audits = None  # coordinator/audit_worker.py: shadow-model audits after the ack
+        if auditor is not None and auditor.enabled:
+            from .audit_worker import AuditWorker
+
+            self.audits = AuditWorker(auditor, capacity=audit_queue, current_version=lambda: self.current_version(),
+                                      deliver=self._audited, drop=self._audit_failed)
 
     def note_client(self, signer: bytes, name: str = "") -> None:
         """A volunteer asked for work: remember its chosen name and when it was last seen."""
         with self.lock:
             self._client(signer, name)
+
+    def note_canary(self, signer: bytes, report: messages.CanaryReport) -> None:
+        """A volunteer's canary result for the version it loaded (the swarm table shows the last one). A failed
+        canary is its engine's problem, not cheating: it is recorded and shown, never struck."""
+        with self.lock:
+            self._client(signer).note_canary(report)
 
     def queued(self) -> int:
         """Groups accepted and not yet taken by the learner."""
@@ -252,8 +271,11 @@ class Ingest:
         if self.access is not None:
             self.access.admit_identity(opened.signer, peer)  # before the nonce is spent: a retry of these bytes works
         with self.lock:
-            if self.queue.qsize() + self._reserved >= self.queue.maxsize:
+            held = self.audits.held() if self.audits is not None else 0  # accepted, waiting for their audit
+            if self.queue.qsize() + held + self._reserved >= self.queue.maxsize:
                 raise ProtocolError(RejectCode.RATE_LIMITED, "learner queue full; retry later")
+            if self.audits is not None and not self.audits.room(self._reserved):  # whether or not this one is audited
+                raise ProtocolError(RejectCode.RATE_LIMITED, "audit queue full; retry later")
             try:
                 self.replay.check_and_remember(opened.signer, opened.nonce, opened.timestamp)
             except ProtocolError as exc:
@@ -310,7 +332,7 @@ class Ingest:
         with tasks.scoring_for(opened.signer):  # the signer's fair share of the verifier pool
             for group, lease in zip(batch.groups, leases):
                 try:
-                    groups.append(rescore_group(self.tokenizer, group, lease, batch, self.bounds,
+                    groups.append(rescore_group(self.tokenizer, group, lease, batch, self.bounds, vocab_limit=self.vocab_limit,
                                                  stop_token_ids=self.stop_token_ids,
                                                  context_limit=self.context_limit))
                 except (tasks.Unscorable, tasks.RewardError):
@@ -320,9 +342,14 @@ class Ingest:
         audit = "off"
         if self.auditor is not None and groups:  # after the (cheaper) reward check; before the leases settle
             streak = self.access.valid_streak(opened.signer) if self.access is not None else 0
-            audit = self.auditor.check(opened.signer, opened.payload_id, batch.adapter_version, groups,
+            audit = self.auditor.route(opened.signer, opened.payload_id, batch.adapter_version, groups,
                                        valid_streak=streak, current_version=self.current_version(),
                                        engine_dtype=batch.engine_dtype, engine_kind=batch.engine_kind)
+            if audit == "queued" and self.audits is None:  # no worker (an auditor switched on later): audit here
+                audit = self.auditor.audit_shadow(opened.signer, opened.payload_id, batch.adapter_version, groups,
+                                                  current_version=self.current_version(),
+                                                  engine_dtype=batch.engine_dtype, engine_kind=batch.engine_kind,
+                                                  stage="ingest")
         return _Verified(opened, batch, leases, groups, tuple(prompt_ids), unscorable, audit)
 
     def _commit(self, v: _Verified, peer: str) -> messages.Ack:
@@ -335,6 +362,9 @@ class Ingest:
                                  v.batch.adapter_version, time.time(), signer=fingerprint(signer),
                                  prompt_ids=v.prompt_ids, signer_key=signer, engine_dtype=v.batch.engine_dtype,
                                  engine_kind=v.batch.engine_kind)
+            if v.audit == "queued":  # journalled flagged: after a crash the learner's hook audits it first
+                for g in item.groups:
+                    g.batch_id, g.audit = batch_id, True
             if self.journal is not None:
                 try:
                     self.journal.put(item)  # durable before anything else changes
@@ -353,7 +383,10 @@ class Ingest:
             with self.lock:
                 self.queued_groups += len(item.groups)
             try:
-                self.queue.put_nowait(item)
+                if v.audit == "queued":
+                    self.audits.submit(item)  # room reserved at admit: never waits, never drops
+                else:
+                    self.queue.put_nowait(item)
             except queue.Full:  # cannot happen with the reservation; if it does, undo everything
                 with self.lock:
                     self.queued_groups -= len(item.groups)
@@ -406,6 +439,32 @@ class Ingest:
             if self.access is not None:
                 self.access.on_reject(code, signer=signer, strike=strike)
         self._verdict(batch_id, signer or None, code.value, stage)
+
+    def _audited(self, item: AcceptedBatch) -> None:
+        """AuditWorker: the batch passed (or could not be checked through no fault of its sender): to the
+        learner. Its room there was reserved at admit (held + queued + in flight <= the queue's size), so this
+        does not wait; were it ever full, the audit thread would wait for the learner, never drop the batch."""
+        self.queue.put(item)
+
+    def _audit_failed(self, item: AcceptedBatch, code: RejectCode, strike: bool) -> None:
+        """AuditWorker: the batch failed its audit after its ack; it is never trained. Its groups count as
+        dropped (the board's books balance), its journal entry goes (a --resume must not audit, strike or
+        train it again), and the signer is judged as for a train-time failure."""
+        with self.lock:
+            self.queued_groups -= len(item.groups)
+        self.board.mark_dropped(len(item.groups))
+        if self.journal is not None:
+            self.journal.remove(item.batch_id)
+        self.audit_verdict(item.batch_id, item.signer_key, code, "audit", strike=strike)
+
+    def awaiting_audit(self) -> set[bytes]:
+        """Ids of accepted batches still waiting for their audit (not in the learner's queue yet)."""
+        return self.audits.held_ids() if self.audits is not None else set()
+
+    def close(self) -> None:
+        """Stop the audit worker (what it still holds is journalled: a --resume audits it)."""
+        if self.audits is not None:
+            self.audits.close()
 
     def state_bytes(self) -> bytes:
         """The replay guard (msgpack, no pickle): nonces stay single-use across restarts. Accepted batch
@@ -462,13 +521,21 @@ class Ingest:
 
 
 def rescore_group(tokenizer, group: messages.RolloutGroup, lease, batch: messages.RolloutBatch,
-                  bounds=None, *, stop_token_ids: tuple[int, ...] = (), context_limit: int | None = None) -> TrainGroup:
+                  bounds=None, *, stop_token_ids: tuple[int, ...] = (), context_limit: int | None = None,
+                  vocab_limit: int | None = None) -> TrainGroup:
     """One leased group, checked and re-scored: prompt tokens as leased, lengths within the lease, each
     finish_reason re-derived from the tokens and the pinned stop set (MALFORMED if the claim differs; with
     no stop set only a full-length "length" completion counts as truncated), every reward recomputed from
     the decoded completion (REWARD_MISMATCH otherwise) — or, with `bounds` (tasks.PrintableTable), without
     decoding when the reward cannot but be 0. bench/ingest.py times it. A multi-turn episode's group (its lease
-    names an environment) is replayed instead: coordinator/episodes.py."""
+    names an environment) is replayed instead: coordinator/episodes.py. A completion holding an id at or past
+    `vocab_limit` (len(tokenizer)) is refused OUT_OF_VOCAB: both engines mask those ids (client/engine.py)."""
+    if vocab_limit is not None:
+        for i, c in enumerate(group.completions):
+            ids = c.token_array()
+            if len(ids) and int(ids.max()) >= vocab_limit:
+                raise ProtocolError(RejectCode.OUT_OF_VOCAB, f"completion {i} holds token id {int(ids.max())}; the "
+                                    f"tokenizer has {vocab_limit} ids (the model's padded rows are never sampled)")
     if is_episode_lease(lease):
         return rescore_episode_group(tokenizer, group, lease, batch, stop_token_ids=stop_token_ids)
     if any(c.env_mask for c in group.completions):  # tokens marked unsampled would escape the logprob audit
@@ -501,10 +568,12 @@ def rescore_group(tokenizer, group: messages.RolloutGroup, lease, batch: message
     if any(hopeless):  # only `exact`, a simple reward scored one completion at a time: skip the hopeless ones
         rewards = [0.0 if h else tasks.score(reward, tokenizer.decode(a.tolist(), skip_special_tokens=True), answer)
                    for h, a in zip(hopeless, arrays)]
+        per_reward = {reward: list(rewards)}
     else:  # the volunteer scored with this same call (client/worker.py): one group, its texts, its ids
         comps = [a.tolist() for a in arrays]  # reward functions get TRL's completion_ids: lists of ints
-        rewards = tasks.score_group(lease.prompt, [tokenizer.decode(t, skip_special_tokens=True) for t in comps],
-                                    comps).rewards
+        scored = tasks.score_group(lease.prompt, [tokenizer.decode(t, skip_special_tokens=True) for t in comps],
+                                   comps, version=batch.adapter_version)
+        rewards, per_reward = scored.rewards, scored.per_reward
     for c, expected in zip(group.completions, rewards):
         if abs(expected - c.reward) > REWARD_TOLERANCE:
             raise ProtocolError(RejectCode.REWARD_MISMATCH, f"claimed {c.reward:.4f}, recomputed {expected:.4f}")
@@ -512,4 +581,4 @@ def rescore_group(tokenizer, group: messages.RolloutGroup, lease, batch: message
     # ints and floats per batch — those lists were a third of ingest's time (docs/benchmarks.md).
     lps = [c.logprob_array() for c in group.completions]
     return TrainGroup(prompt_ids, arrays, lps, rewards, batch.adapter_version, batch.sampling.temperature,
-                      batch.client_name, truncated=truncated)
+                      batch.client_name, truncated=truncated, per_reward=per_reward)

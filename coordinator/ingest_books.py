@@ -38,6 +38,14 @@ class ClientStats:
     resent: int = 0  # DUPLICATE_BATCH: an accepted batch sent again (its ack was lost) — repeated, not a rejection
     last_version: int = -1
     last_seen: float = 0.0
+    canary: str = ""  # the last adapter-identity canary it reported ("v5 ok", "v5 FAILED (...)"); "" = none
+    canary_failures: int = 0
+
+    def note_canary(self, report) -> None:
+        """Its last canary result (messages.CanaryReport), as the swarm table shows it."""
+        self.canary = (f"v{report.version} ok" if report.passed else
+                       f"v{report.version} FAILED ({report.diff:.2f}/token; base model {report.base_diff:.2f})")
+        self.canary_failures += 0 if report.passed else 1
 
 
 class ClientTable:

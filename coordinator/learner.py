@@ -15,8 +15,8 @@ One step (`step`):
      (`plan_micro_batches`); each micro-batch is padded to its own longest row, its loss is
      sum(per-token objective * `loss.token_weights`(global normaliser)) and is back-propagated at once, so
      gradients accumulate to exactly the full-batch gradient (tests/coordinator/test_microbatch.py);
-  4. statistics (`loss.LossTotals`) are summed across micro-batches; grad norm (before clipping), clip,
-     AdamW step, LR scheduler step.
+  4. statistics (`loss.LossTotals`) are summed across micro-batches on the device and read once per step;
+     grad norm (before clipping), clip, AdamW step, LR scheduler step.
 Device and dtype: base weights in `dtype` (bf16 on CUDA by default) on `device`; the LoRA parameters and so
 AdamW's state are fp32 (master weights). Log-probs come from models/logprobs.py (no [B, T, V] fp32 tensor).
 """
@@ -54,6 +54,9 @@ class TrainGroup:
     audit: bool = False    # check its sampling logprobs against this step's forward pass (coordinator/audit.py)
     truncated: list[bool] = field(default_factory=list)
     """Per completion: finish_reason "length" as ingest derived it (empty = none); loss.mask_truncated drops them."""
+    per_reward: dict[str, list[float | None]] = field(default_factory=dict)
+    """Each reward function's own values per completion (None = not applicable; tasks.GroupScore), for the
+    per-reward metrics (coordinator/reward_log.py); the learner trains on `rewards`, their weighted total."""
     env_masks: list | None = None
     """Per completion of a multi-turn episode (envs/): 1 per environment token (no loss, no logprob audit), or
     None for a completion the model sampled whole; None = no episodes in this group."""
@@ -162,7 +165,7 @@ class Learner:
             if p.requires_grad and p.dtype != torch.float32:
                 p.data = p.data.float()
         self.model.train()
-        self.scorer = CompletionScorer(self.model)
+        self.scorer = CompletionScorer(self.model, vocab_limit=len(self.tokenizer))  # the engines' vocabulary
         self._prepare_model()  # FSDP shards the base here (coordinator/ddp.py)
         self.loss_cfg = loss
         self.max_staleness = max_staleness
@@ -253,7 +256,7 @@ class Learner:
                 (loss * part).backward()
             if part:
                 totals.add(loss, terms, batch["adv"], batch["mask"], self.loss_cfg, out.entropy)
-                tokens += int(batch["attn"].sum())
+                tokens += sum(len(mine[i].ids) for i in idx)  # non-pad tokens, from the host's rows: no sync
         self._finish_gradients()
         totals = self._reduce(totals)
         params = [p for p in self.model.parameters() if p.requires_grad]

@@ -213,7 +213,8 @@ class FairShare:
 
 class LeaseDesk:
     def __init__(self, policy: LeasePolicy, *, audience: bytes, board, ingest, access, tokenizer,
-                 current_version: Callable[[], int], sync_round=None, quorum=None, clock=time.monotonic, gate=None):
+                 current_version: Callable[[], int], sync_round=None, quorum=None, clock=time.monotonic, gate=None,
+                 on_reward_error: Callable[[str, str, int], None] | None = None):
         self.policy = policy
         self.audience = audience  # the coordinator's public key: requests sealed for anyone else are refused
         self.board, self.ingest, self.access, self.sync_round = board, ingest, access, sync_round
@@ -222,6 +223,7 @@ class LeaseDesk:
         self.current_version = current_version
         self.fair = FairShare(policy, proven=self._proven, clock=clock)
         self.versions = VersionClock(clock)  # the hub calls versions.published() after each publish
+        self.on_reward_error = on_reward_error  # (client name, what its reward raised, leases given back)
         self.gate = gate  # coordinator.handshake.GatePolicy: the version gate, also for clients that skipped it
         self.replay = envelope.ReplayGuard(window_s=policy.window_s, max_entries=REPLAY_ENTRIES)
         self._replay_lock = threading.Lock()
@@ -270,6 +272,8 @@ class LeaseDesk:
             self.board.release(req.release, holder)
         if req.unscorable:  # groups it could not score: ended now, counted against the prompt (poison)
             self.board.report_unscorable(req.unscorable, holder)
+        if req.reward_error and self.on_reward_error is not None:  # its reward function raised: tell the operator
+            self.on_reward_error(req.client_name, req.reward_error, len(req.release) + len(req.unscorable))
         renewed = tuple(messages.LeaseRenewal(lid, left)
                         for lid, left in self.board.renew(req.renew, holder).items()) if req.renew else ()
         interval = self.versions.interval_s()
@@ -317,6 +321,8 @@ class LeaseDesk:
             columns=g.prompt.columns)
             for g in grants)
         self.ingest.note_client(opened.signer, req.client_name)
+        if req.canary is not None:  # the volunteer's adapter-identity check: health, never a strike (models/canary.py)
+            self.ingest.note_canary(opened.signer, req.canary)
         return messages.encode(messages.LeaseGrant(run_id=p.run_id, leases=leases, current_version=version,
                                                    retry_after_s=retry_after, renewed=renewed,
                                                    max_batch_bytes=p.max_batch_bytes, **sizing))

@@ -234,17 +234,21 @@ class LossStats:
 
 
 class LossTotals:
-    """Statistics summed over a step's micro-batches (and, under DDP, over ranks: `as_tensors`/`from_tensors`),
-    so a micro-batched step reports exactly what the full-batch step would. Means are per masked token."""
+    """Statistics summed over a step's micro-batches (and, under DDP, over ranks: `as_tensors`/`load_tensors`),
+    so a micro-batched step reports exactly what the full-batch step would. Means are per masked token.
+
+    The sums stay on the device the micro-batches are on (one float64 vector, plus the ratio max / min) and
+    reach the host once, when `sums` or `stats()` first reads them: no host sync per micro-batch."""
 
     SUMS = ("loss", "tokens", "clip_low", "clip_high", "ratio", "weight", "truncated", "kl", "entropy",
             "log_r2", "r1", "r2", "masked") + tuple(f"{kind}@{band}" for band in STALENESS_BAND_LABELS
                                                      for kind in ("masked", "tokens"))
 
     def __init__(self) -> None:
-        self.sums = dict.fromkeys(self.SUMS, 0.0)
-        self.ratio_max = float("-inf")
-        self.ratio_min = float("inf")
+        self._sums = None  # float64 [len(SUMS) + 1] (the last: entropy seen), on the micro-batches' device
+        self._hi = None    # float64 [1]: max ratio over masked tokens
+        self._lo = None
+        self._read: tuple[dict, float, float, bool] | None = None
         self.has_entropy = False
 
     def add(self, loss: torch.Tensor, terms: TokenTerms, advantages: torch.Tensor, mask: torch.Tensor,
@@ -255,68 +259,98 @@ class LossTotals:
             on = mask > 0
             m = on.to(torch.float32)
             adv = advantages.unsqueeze(1)
-            s = self.sums
-            s["loss"] += float(loss.detach())
-            s["tokens"] += float(m.sum())
+            zero = torch.zeros((), dtype=torch.float64, device=mask.device)
+            s = {"loss": loss.detach(), "tokens": m.sum()}
             if cfg.correction in ("clip", "decoupled"):  # the only corrections with a PPO band
-                s["clip_low"] += float(((terms.ratio < 1.0 - cfg.epsilon) & (adv < 0) & on).sum())
-                s["clip_high"] += float(((terms.ratio > 1.0 + cfg.epsilon_high) & (adv > 0) & on).sum())
+                s["clip_low"] = ((terms.ratio < 1.0 - cfg.epsilon) & (adv < 0) & on).sum()
+                s["clip_high"] = ((terms.ratio > 1.0 + cfg.epsilon_high) & (adv > 0) & on).sum()
             if terms.log_behaviour is not None:
                 lr = terms.log_behaviour.detach().double()[on].clamp(max=R_LOG_CAP)
-                s["log_r2"] += float(lr.pow(2).sum())
-                s["r1"] += float(torch.exp(lr).sum())
-                s["r2"] += float(torch.exp(2 * lr).sum())
+                s["log_r2"] = lr.pow(2).sum()
+                s["r1"] = torch.exp(lr).sum()
+                s["r2"] = torch.exp(2 * lr).sum()
             if terms.no_grad is not None:
                 masked = terms.no_grad & on
-                s["masked"] += float(masked.sum())
+                s["masked"] = masked.sum()
                 if terms.staleness is not None:
                     bands = staleness_bands(terms.staleness).to(on.device)
                     for b, label in enumerate(STALENESS_BAND_LABELS):
                         rows = (bands == b).unsqueeze(1)
-                        s[f"tokens@{label}"] += float((on & rows).sum())
-                        s[f"masked@{label}"] += float((masked & rows).sum())
-            s["ratio"] += float((terms.behaviour * m).sum())
-            s["weight"] += float((terms.weight * m).sum())
-            s["truncated"] += float((terms.truncated * m).sum())
+                        s[f"tokens@{label}"] = (on & rows).sum()
+                        s[f"masked@{label}"] = (masked & rows).sum()
+            s["ratio"] = (terms.behaviour * m).sum()
+            s["weight"] = (terms.weight * m).sum()
+            s["truncated"] = (terms.truncated * m).sum()
             if terms.kl is not None:
-                s["kl"] += float((terms.kl * m).sum())
+                s["kl"] = (terms.kl * m).sum()
             if entropy is not None:
                 self.has_entropy = True
-                s["entropy"] += float((entropy * m).sum())
-            if bool(on.any()):
-                self.ratio_max = max(self.ratio_max, float(terms.behaviour[on].max()))
-                self.ratio_min = min(self.ratio_min, float(terms.behaviour[on].min()))
+                s["entropy"] = (entropy * m).sum()
+            vec = torch.stack([s[k].to(torch.float64) if k in s else zero for k in self.SUMS]
+                              + [zero + float(self.has_entropy)])
+            behaviour = terms.behaviour.detach().to(torch.float64)
+            hi = torch.where(on, behaviour, float("-inf")).amax().reshape(1)
+            lo = torch.where(on, behaviour, float("inf")).amin().reshape(1)
+            if self._sums is None:
+                self._sums, self._hi, self._lo = vec, hi, lo
+            else:
+                self._sums = self._sums + vec
+                self._hi, self._lo = torch.maximum(self._hi, hi), torch.minimum(self._lo, lo)
+            self._read = None
 
     def as_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(sums, [max], [min]) as float64 tensors, for SUM / MAX / MIN all-reduces."""
+        """(sums, [max], [min]) as float64 tensors (on the micro-batches' device; CPU zeros when nothing was
+        added), for SUM / MAX / MIN all-reduces."""
         import torch
 
-        sums = torch.tensor([self.sums[k] for k in self.SUMS] + [float(self.has_entropy)], dtype=torch.float64)
-        return sums, torch.tensor([self.ratio_max], dtype=torch.float64), torch.tensor([self.ratio_min],
-                                                                                         dtype=torch.float64)
+        if self._sums is None:
+            return (torch.zeros(len(self.SUMS) + 1, dtype=torch.float64),
+                    torch.tensor([float("-inf")], dtype=torch.float64), torch.tensor([float("inf")], dtype=torch.float64))
+        return self._sums, self._hi, self._lo
 
     def load_tensors(self, sums, hi, lo) -> None:
-        values = sums.tolist()
-        self.sums = dict(zip(self.SUMS, values[:-1]))
-        self.has_entropy = values[-1] > 0
-        self.ratio_max, self.ratio_min = float(hi[0]), float(lo[0])
+        self._sums, self._hi, self._lo = sums, hi.reshape(1), lo.reshape(1)
+        self._read = None
+
+    def _host(self) -> tuple[dict, float, float, bool]:
+        """The one host read of a step's statistics."""
+        if self._read is None:
+            import torch
+
+            sums, hi, lo = self.as_tensors()
+            values = torch.cat([sums, hi.to(sums.device), lo.to(sums.device)]).tolist()
+            n = len(self.SUMS)
+            self._read = (dict(zip(self.SUMS, values[:n])), values[n + 1], values[n + 2], values[n] > 0)
+        return self._read
+
+    @property
+    def sums(self) -> dict[str, float]:
+        return self._host()[0]
+
+    @property
+    def ratio_max(self) -> float:
+        return self._host()[1]
+
+    @property
+    def ratio_min(self) -> float:
+        return self._host()[2]
 
     def stats(self, loss=None) -> LossStats:
-        s = self.sums
+        s, ratio_max, ratio_min, has_entropy = self._host()
         n = max(1.0, s["tokens"])
         empty = s["tokens"] == 0
         return LossStats(
             loss=loss if loss is not None else s["loss"],
             clip_fraction=(s["clip_low"] + s["clip_high"]) / n,
             ratio_mean=1.0 if empty else s["ratio"] / n,
-            ratio_max=1.0 if empty else self.ratio_max,
-            ratio_min=1.0 if empty else self.ratio_min,
+            ratio_max=1.0 if empty else ratio_max,
+            ratio_min=1.0 if empty else ratio_min,
             is_weight_mean=s["weight"] / n,
             is_truncated_fraction=s["truncated"] / n,
             clip_low_fraction=s["clip_low"] / n,
             clip_high_fraction=s["clip_high"] / n,
             kl_mean=s["kl"] / n,
-            entropy_mean=s["entropy"] / n if self.has_entropy else None,
+            entropy_mean=s["entropy"] / n if has_entropy else None,
             log_ratio_m2=s["log_r2"] / n,
             is_weight_m2=1.0 if empty else s["r2"] / n,
             ess=1.0 if empty or s["r2"] <= 0 else s["r1"] ** 2 / (n * s["r2"]),

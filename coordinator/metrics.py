@@ -32,6 +32,7 @@ from collections import Counter, deque
 from typing import Callable
 
 from .plots import SMOOTH_WINDOW, moving_average
+from .reward_log import per_reward_table
 
 LIVE_WINDOW_S = 120.0
 """A volunteer counts as live when it leased or uploaded within this many seconds."""
@@ -82,7 +83,8 @@ class RunStats:
                     "entropy": fields.get("entropy_mean"), "lr": fields.get("lr"),
                     "tokens_per_s": fields.get("tokens_per_s"), "episode_replay_ms": fields.get("episode_replay_ms"),
                     **{k: fields.get(k) for k in OFF_POLICY_FIELDS},
-                    "masked_by_staleness": dict(fields.get("masked_by_staleness") or {})})
+                    "masked_by_staleness": dict(fields.get("masked_by_staleness") or {}),
+                    "rewards": per_reward_table(fields)})  # {name: {"mean", "std"}} (coordinator/reward_log.py)
                 self.groups_trained += fields.get("groups", 0)
                 self.groups_dropped_stale += fields.get("dropped_stale", 0)
                 self.staleness_counts.update(stale)
@@ -128,6 +130,7 @@ class RunStats:
                 "steps": last["step"] if last else 0,
                 "last_step": last,
                 "reward_moving_avg": avg[-1] if avg else None,
+                "per_reward": last["rewards"] if last else {},  # the last step's {name: {"mean", "std"}}
                 "smooth_window": SMOOTH_WINDOW,
                 "groups_trained": self.groups_trained,
                 "groups_dropped_stale": self.groups_dropped_stale,
@@ -339,6 +342,7 @@ def volunteer_rows(clients: list[dict], *, version: int, rollouts_by_client: dic
             "accepted": int(c.get("accepted", 0)), "rejected": dict(c.get("rejected") or {}),
             "last_seen": seen, "age_s": max(0.0, now - seen) if seen else None,
             "live": bool(seen) and now - seen <= LIVE_WINDOW_S,
+            "canary": c.get("canary", ""),  # its last adapter-identity check (models/canary.py)
         })
     rows.sort(key=lambda r: -(r["last_seen"] or 0))
     return rows

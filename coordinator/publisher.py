@@ -59,7 +59,7 @@ class Publisher:
         self._lock = threading.Lock()
         self.latest: Published | None = None
 
-    def publish(self, version: int, specs, tensors: dict[str, bytes]) -> Published:
+    def publish(self, version: int, specs, tensors: dict[str, bytes], canary: messages.Canary | None = None) -> Published:
         enc = self.encoder.encode(version, specs, tensors)
         chunks = codec.split_chunks(enc.payload, self.chunk_bytes)
         now = time.time()
@@ -69,7 +69,7 @@ class Publisher:
             keyframe_version=keyframe_version, base_model=self.base_model, base_revision=self.base_revision,
             lora=self.lora, codec=enc.codec, tensors=tuple(specs), raw_bytes=enc.raw_bytes,
             compressed_bytes=len(enc.payload), chunk_bytes=self.chunk_bytes,
-            chunk_hashes=codec.chunk_hashes(chunks), created_at=now, **self.pin_fields)
+            chunk_hashes=codec.chunk_hashes(chunks), created_at=now, canary=canary, **self.pin_fields)
         manifest_env = envelope.seal(self.identity, "adapter_manifest", messages.encode(manifest))
         pointer = messages.AdapterPointer(
             run_id=self.run_id, version=version, manifest_sha256=hashlib.sha256(manifest_env).digest(),
@@ -108,6 +108,7 @@ class Export:
     blobs: dict[str, bytes]
     learner_steps: int   # learner.steps when exported (the auditor reuses the learner's pass while equal)
     export_s: float      # what the export cost the learner thread
+    canary: messages.Canary | None = None  # models/canary.py: the probe scored under this version
     exported_at: float = field(default_factory=time.monotonic)
 
 
@@ -116,9 +117,16 @@ def export_version(learner, dtype: str) -> Export:
     publishing the learner waits for (a memcpy-sized cost; `export_s` in the publish event)."""
     from asyncrl.models.lora import export_lora
 
+    from asyncrl.models.canary import make_canary
+
     t0 = time.perf_counter()
     specs, blobs = export_lora(learner.model, dtype)
-    return Export(learner.version, tuple(specs), blobs, learner.steps, export_s=time.perf_counter() - t0)
+    try:  # two forward passes of a few dozen tokens; a version without a canary is still published
+        canary = make_canary(learner.model, learner.tokenizer)
+    except Exception:  # noqa: BLE001 - e.g. a wrapped model without PEFT's disable_adapter
+        canary = None
+    return Export(learner.version, tuple(specs), blobs, learner.steps, export_s=time.perf_counter() - t0,
+                  canary=canary)
 
 
 class PublishWorker:
@@ -327,7 +335,7 @@ class PublishWorker:
         try:
             if self.before_visible is not None:
                 self.before_visible(export)
-            pub = self.publisher.publish(export.version, export.specs, export.blobs)
+            pub = self.publisher.publish(export.version, export.specs, export.blobs, canary=export.canary)
         except Exception as exc:  # e.g. lineage.json not writable: never announce what a resume could reuse
             with self._cond:
                 self._skip_locked(export.version)

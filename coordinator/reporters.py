@@ -44,6 +44,7 @@ def _row(fields: dict, last_publish_bytes: int | None) -> dict[str, float]:
            "grad_norm": fields.get("grad_norm"), "entropy": fields.get("entropy_mean"), "lr": fields.get("lr"),
            "tokens_per_s": fields.get("tokens_per_s"),
            "publish_bytes": last_publish_bytes}
+    row.update({k: v for k, v in fields.items() if k.startswith("rewards/")})  # TRL's rewards/<name>/mean|std
     return {k: float(v) for k, v in row.items() if v is not None}
 
 

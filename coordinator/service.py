@@ -16,6 +16,7 @@ Components (each has one job; none references this hub):
   Telemetry   (coordinator/telemetry.py) RunLog listener: stats, dashboard + /metrics, plots, trackers
   AccessControl (coordinator/access.py) open/allowlist, bans, rate limits, quotas, strikes
   Auditor     (coordinator/audit.py) logprob audit under the claimed adapter version (learner hook)
+  AuditWorker (coordinator/audit_worker.py) shadow-model audits after the ack, bounded queue, own thread/stream
   TrustState  (coordinator/trust_state.py) trust.json, replay.bin, access.bin every few seconds
   VolunteerQuorum (coordinator/quorum.py) --wait-for-volunteers N: no lease, no step before N keys are in
 
@@ -38,6 +39,7 @@ from pathlib import Path
 
 from asyncrl.protocol import messages
 from asyncrl.protocol.atomic import read_json, write_json_atomic
+from asyncrl.protocol.handshake import package_versions as handshake_package_versions
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import Identity
 from asyncrl.runlog import METRICS_FILE, RunLog
@@ -45,12 +47,29 @@ from asyncrl.swarm import streams
 from asyncrl.swarm.streams import stream_name
 
 from .base_model import resolve_model
+from .capacity import CapacityMeter
 from .config import CoordinatorConfig
 from .episodes import environment_pin, replay_metrics
 from .leasing import MAX_LEASE_REQUEST_BYTES
+from .reward_log import reward_stats
 
 FINAL_POINTER_WAIT_S = 90.0  # at the run's end the publisher thread may still be storing the last version
 AUDIT_ENGINES_FILE = "audit_engines.json"  # each engine class's learned audit tolerance (coordinator/audit_policy.py)
+
+
+
+def task_reward_packages(source, cfg) -> tuple:
+    """The packages the task's rewards come from (records' own specs and the default), for the handshake."""
+    from asyncrl.protocol.handshake import MAX_REWARD_PACKAGES, RewardPackage
+    from asyncrl.tasks.rewards import packages_of
+    from asyncrl.tasks.sources import TaskSourceError
+
+    specs = {r.reward for r in getattr(source, "records", ())} | {cfg.reward_spec()}
+    found = [RewardPackage(reward=n, package=d, version=v) for n, d, v in packages_of(specs)]
+    if len(found) > MAX_REWARD_PACKAGES:
+        raise TaskSourceError(f"the task's rewards come from {len(found)} packages; a handshake names at most "
+                              f"{MAX_REWARD_PACKAGES}")
+    return tuple(found)
 
 
 class Coordinator:
@@ -69,6 +88,12 @@ class Coordinator:
         self.log = RunLog(self.run_dir / METRICS_FILE, listeners=[self.telemetry.observe])
         self.t0 = time.time()
         self.trained_by: dict[str, int] = {}  # volunteer key fingerprint -> groups trained on (this process)
+        # does the swarm keep the learner busy? how many more volunteers would? (coordinator/capacity.py)
+        self.capacity = CapacityMeter(samples_per_step=cfg.groups_per_step * cfg.group_size, group_size=cfg.group_size)
+        from .reward_log import RewardErrors
+
+        self.reward_errors = RewardErrors()  # what volunteers' reward functions raised (coordinator/reward_log.py)
+        self.handshake_refusals = RewardErrors()  # volunteers turned away at the handshake (same shape of record)
         from .run_end import RunEnd
 
         self.run_end = RunEnd(self.run_dir, active_window_s=cfg.lease_timeout_s)  # max_steps / `finish`: say so
@@ -143,6 +168,10 @@ class Coordinator:
                            examples=r.examples)
             self.out(f"task {cfg.task}: {r.records} records, longest prompt {r.longest_prompt_tokens} tokens"
                      + (f"; skipped {r.skipped} too large (first: {r.examples[0]})" if r.skipped else ""))
+        self.reward_packages = task_reward_packages(source, cfg)  # every volunteer must have them (handshake)
+        if self.reward_packages:
+            self.out("reward packages volunteers need: " + ", ".join(
+                f"{n}=={v}" for n, v in handshake_package_versions(self.reward_packages)))
         self.board = TaskBoard(source, lease_timeout_s=cfg.lease_timeout_s,
                                max_leases_per_client=cfg.max_leases_per_client,
                                lease_max_s=cfg.lease_max_s or cfg.lease_timeout_s,
@@ -166,7 +195,7 @@ class Coordinator:
                              is_published=lambda v: self.publish_worker.is_published(v),
                              max_batch_bytes=cfg.max_batch_bytes,
                              window_s=cfg.timestamp_window_s, journal=self.journal, access=self.access,
-                             seen_path=self.run_dir / "seen_ids.log",
+                             seen_path=self.run_dir / "seen_ids.log", audit_queue=cfg.audit_queue,
                              auditor=self.auditor, receipts=self.receipts, sampling=messages.SamplingParams(
                                  temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens),
                              stop_token_ids=pin.stop_token_ids,  # finish reasons are derived from the tokens
@@ -185,7 +214,12 @@ class Coordinator:
         self.lease_desk = LeaseDesk(LeasePolicy.from_config(cfg), audience=self.identity.public_key, board=self.board,
                                     ingest=self.ingest, access=self.access, tokenizer=self.learner.tokenizer,
                                     current_version=lambda: self.publish_worker.published_version,
-                                    sync_round=self.sync_round, quorum=self.quorum, gate=GatePolicy.from_config(cfg))
+                                    sync_round=self.sync_round, quorum=self.quorum, gate=GatePolicy.from_config(cfg),
+                                    on_reward_error=self._reward_error)
+        from .reward_log import CompletionLog
+
+        self.completion_log = CompletionLog(self.run_dir / "completions.jsonl", self.learner.tokenizer,
+                                            every=cfg.log_completions_every, count=cfg.log_completions_count)
         self.publisher = Publisher(self.identity, run_id=cfg.run_id, base_model=self.base_model,
                                    base_revision=self.base_revision, lora=self.lora,
                                    keyframe_every=cfg.keyframe_every, chunk_bytes=cfg.chunk_bytes,
@@ -313,7 +347,8 @@ class Coordinator:
                                        window_s=cfg.timestamp_window_s, max_staleness=cfg.max_staleness,
                                        lease_timeout_s=cfg.lease_timeout_s, pointer=lambda: self.pointer.last,
                                        finished=lambda: self.run_end.finished, announced_ports=self._announced_ports,
-                                       environment=environment_pin(cfg.task))
+                                       environment=environment_pin(cfg.task),
+                                       reward_packages=self.reward_packages, on_refusal=self._refused_at_door)
 
         def admit_info(peer: str) -> None:  # banned peers, then the peer's own handshake bucket
             self.access.check_peer(peer)
@@ -358,18 +393,22 @@ class Coordinator:
         cfg = self.cfg
         logged = 0
         self.quorum.wait(self.stop)  # --wait-for-volunteers: no step before N volunteers are in (returns at once by default)
+        waited = 0.0  # the learner's wait for data since its last step (coordinator/capacity.py)
         while (not self.stop.is_set() and (cfg.max_steps == 0 or self.learner.steps < cfg.max_steps)
                and not self.run_end.requested()):
             if self.sync_round is not None:
                 items = self.sync_round.take(self.learner.version, self.stop)
             else:
+                t0 = time.monotonic()
                 items = self.ingest.take(cfg.groups_per_step, max_wait_s=cfg.max_wait_s, min_groups=cfg.min_groups,
                                          stop=self.stop)
+                waited += time.monotonic() - t0
             new = self.ingest.accepted_since(logged)
             if new and new[0].seq > logged:  # more arrived than the log keeps: say how many events are missing
                 self.log.write("batch_events_skipped", count=new[0].seq - logged)
             logged = new[-1].seq + 1 if new else logged
             for b in new:
+                self.capacity.accepted(b.client, b.groups)
                 self.log.write("batch", client=b.client, version=b.version, reward_mean=b.reward_mean,
                                groups=b.groups, staleness=self.learner.version - b.version,
                                batch_id=b.batch_id.hex(), prompt_ids=list(b.prompt_ids))
@@ -378,6 +417,7 @@ class Coordinator:
             groups = [g for item in items for g in item.groups]
             # the contributors table: whose groups the learner steps on (fresh before the step bumps the version)
             fresh = [(item.signer, sum(1 for g in item.groups if not self.learner.is_stale(g.version))) for item in items]
+            trained = [g for g in groups if not self.learner.is_stale(g.version)]
             result = self.learner.step(groups)
             stale_dropped = len(groups) - (result.groups_used if result else 0)
             if stale_dropped:
@@ -387,6 +427,9 @@ class Coordinator:
                 self.log.write("dropped", groups=stale_dropped, reason="stale", batch_ids=batch_ids)
                 continue
             self.board.mark_trained(result.groups_used)
+            self.capacity.learner_step(wait_s=waited, step_s=result.seconds, groups=len(groups),
+                                       stale_dropped=stale_dropped)
+            waited = 0.0
             for signer, used in fresh:
                 self.trained_by[signer] = self.trained_by.get(signer, 0) + used
             self.auditor.stats["learner_seconds"] += result.seconds  # the audit's cost is reported against this
@@ -396,7 +439,9 @@ class Coordinator:
                            ratio_mean=result.ratio_mean, seconds=result.seconds,
                            **{k: v for k, v in result.metrics.items() if k not in ("loss", "clip_fraction", "ratio_mean")},
                            tokens=result.tokens, clients=sorted({item.client for item in items}), **replay_metrics(),
-                           dropped_total=self.board.counts()["dropped"], batch_ids=batch_ids)
+                           dropped_total=self.board.counts()["dropped"], batch_ids=batch_ids,
+                           **reward_stats(trained))  # TRL's rewards/<name>/mean and /std
+            self.completion_log.after_step(self.learner.steps, trained)
             if self.learner.steps % cfg.publish_every == 0:
                 self.learner.next_version()
                 self._publish()
@@ -415,6 +460,22 @@ class Coordinator:
         if self.run_end.finished:  # volunteers still polling the DHT through us learn it (coordinator/run_end.py)
             self.run_end.linger(cfg.finish_grace_s, self.stop)
         return summary
+
+    def _refused_at_door(self, refusal: dict) -> None:
+        """The handshake turned a volunteer away (version gate, missing reward package): no strike, no lease;
+        the operator sees it (metrics.jsonl `handshake_refused`, the dashboard)."""
+        who = f"peer …{refusal['peer'][-8:]} (asyncrl {refusal.get('client_version') or '?'})"
+        self.handshake_refusals.add(who, f"{refusal['code']}: {refusal['detail']}", 0)
+        self.log.write("handshake_refused", **refusal)
+
+    def _reward_error(self, client: str, error: str, leases: int) -> None:
+        """A volunteer's reward function raised on `leases` of its leases (LeaseRequest.reward_error): the
+        operator sees it in metrics.jsonl, on the dashboard and on the console (each distinct error once)."""
+        first = all(r["error"] != error for r in self.reward_errors.snapshot()["recent"])
+        self.reward_errors.add(client, error, leases)
+        self.log.write("reward_error", client=client, error=error, leases=leases)
+        if first:
+            self.out(f"warning: volunteer {client!r}: {error}")
 
     def _finish(self, reason: str) -> None:
         """End the run for good: refuse work with RUN_FINISHED and publish the final signed pointer."""
@@ -508,18 +569,25 @@ class Coordinator:
                                             leases=self.board.counts(), queued_groups=queued, identity=identity,
                                             presence=self.presence(), contributors=self.contributors(),
                                             publisher=worker.stats() if worker is not None else None,
-                                            waiting=self.quorum.status(), audit=self._audit_snapshot())
+                                            waiting=self.quorum.status(), audit=self._audit_snapshot(),
+                                            completions=self.completion_log.latest() if hasattr(self, "completion_log") else [],
+                                            reward_errors=self.reward_errors.snapshot(),
+                                            handshake_refusals=self.handshake_refusals.snapshot(),
+                                            capacity=self.capacity.snapshot())
 
     def _audit_snapshot(self) -> dict | None:
         auditor = getattr(self, "auditor", None)
         if auditor is None or not auditor.enabled:
             return None
-        return {"engines": auditor.engines_status(), "base_tolerance": auditor.tolerance,
+        queue = self.ingest.audits.status() if getattr(self, "ingest", None) is not None and self.ingest.audits else None
+        return {"engines": auditor.engines_status(), "base_tolerance": auditor.tolerance, "queue": queue,
                 **{k: auditor.stats[k] for k in ("audited", "passed", "failed", "skipped")}}
 
     def shutdown(self) -> None:
         self.stop.set()
         self.telemetry.close()  # dashboard down, final reward.png, trackers closed; never raises
+        if getattr(self, "ingest", None) is not None:
+            self.ingest.close()  # the audit worker; batches still waiting are journalled (--resume audits them)
         if getattr(self, "trust", None) is not None:
             self.trust.stop()  # last trust.json / replay.bin
         # A waiting version is abandoned (the final checkpoint holds it; --resume publishes above it).

@@ -67,7 +67,10 @@ class Telemetry:
 
     def snapshot_part(self, *, version: int, steps: int, clients: list, leases: dict, queued_groups: int,
                       identity: dict, presence: list[dict] = (), publisher: dict | None = None,
-                      waiting: dict | None = None, contributors: list[dict] = (), audit: dict | None = None) -> dict:
+                      waiting: dict | None = None, contributors: list[dict] = (), audit: dict | None = None,
+                      completions: list[dict] = (), reward_errors: dict | None = None,
+                      handshake_refusals: dict | None = None,
+                      capacity: dict | None = None) -> dict:
         """The read-only status dict (the schema of /api/status). No key material ever enters it."""
         now = time.time()
         stats = self.stats.snapshot()
@@ -90,11 +93,19 @@ class Telemetry:
             # PublishWorker.stats(): published_version, superseded, queue_depth, in_flight(_s), last_latency_s
             "publisher": dict(publisher or {}),
             "volunteers": rows,
+            # coordinator/capacity.py: learner idle fraction, rollouts/s needed vs delivered, more volunteers needed
+            "capacity": dict(capacity or {}),
             # name, fingerprint, accepted batches/tokens (receipts), trained groups and share: publishable
             "contributors": list(contributors),
             # generation audit: per engine class (kind/dtype) "learning" (samples/needed) or "learned", its tolerance
             "audit": audit,
             "stats": stats,
+            # coordinator/reward_log.py: the latest sampled completions with their rewards, and what
+            # volunteers' reward functions raised
+            "completions": list(completions),
+            "reward_errors": dict(reward_errors or {"total": 0, "recent": []}),
+            # volunteers the handshake turned away (version gate, a missing reward package): client = its release
+            "handshake_refusals": dict(handshake_refusals or {"total": 0, "recent": []}),
         }
 
     def close(self) -> None:

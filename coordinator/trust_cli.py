@@ -46,6 +46,11 @@ def add_trust_arguments(parser: argparse.ArgumentParser, d) -> None:
     g.add_argument("--audit-learn-tolerance", dest="audit_learn_tolerance", type=float,
                    help=f"tolerance while an engine class learns, no strikes; the ceiling of what it learns "
                         f"(default {d.audit_learn_tolerance})")
+    g.add_argument("--audit-queue", dest="audit_queue", type=int,
+                   help=f"accepted batches waiting for their audit at most; then submits are RATE_LIMITED "
+                        f"(default {d.audit_queue})")
+    g.add_argument("--audit-device", dest="audit_device",
+                   help="device of the shadow-model audits (default: the learner's; e.g. cuda:1 holds a full copy)")
     g.add_argument("--audit-margin", dest="audit_margin", type=float,
                    help=f"learned tolerance = margin x the 0.95 quantile of honest batches (default {d.audit_margin})")
     g.add_argument("--audit-quarantine-passes", dest="audit_quarantine_passes", type=int,

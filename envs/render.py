@@ -7,15 +7,31 @@ With a chat template, an environment turn is the text the template adds after th
 render the conversation with the new messages (and the next generation prompt) and keep what follows the
 last assistant turn's end marker (`<|im_end|>` for Qwen/ChatML: the template's newline after it belongs to
 the environment turn, the marker itself to the model). Tool schemas go to the template (`tools=`), which is
-how Qwen shows them. Without a template (the tiny model's plain tokenizer) a turn is its contents joined by
-spaces, between spaces.
+how Qwen shows them; a template that ignores `tools=` (SmolLM2's plain ChatML) gets the same Hermes tool
+block Qwen's template writes, in its system turn (`tool_system_text`), so the model sees the schemas and the
+`<tool_call>` format either way. Without a template (the tiny model's plain tokenizer) a turn is its contents
+joined by spaces, between spaces.
 """
 
 from __future__ import annotations
 
 from asyncrl.tasks.sources import encode_prompt
 
+import json
+
 from .base import EnvError
+
+TOOLS_HEADER = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
+                "with function signatures within <tools></tools> XML tags:\n<tools>")
+TOOLS_FOOTER = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+                "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+                "<args-json-object>}\n</tool_call>")
+
+
+def tool_system_text(system: str, tools: list[dict]) -> str:
+    """`system` followed by the Hermes/Qwen2.5 tool block (the text Qwen's template renders for `tools=`)."""
+    listed = "".join("\n" + json.dumps(t) for t in tools)
+    return (system + "\n\n" if system else "") + TOOLS_HEADER + listed + TOOLS_FOOTER
 
 
 class Renderer:
@@ -25,8 +41,25 @@ class Renderer:
         self.end_text = tokenizer.eos_token or ""  # the assistant turn's end marker as text
 
     def _chat(self, messages: list[dict], tools: list[dict], generation: bool) -> str:
+        if tools and not self._renders_tools():
+            messages, tools = self._tools_in_system(messages, tools), []
         return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                                   add_generation_prompt=generation)
+
+    def _renders_tools(self) -> bool:
+        """Does the template show `tools=`? (Rendered once with a probe schema, remembered.)"""
+        if not hasattr(self, "_tools_ok"):
+            probe = [{"type": "function", "function": {"name": "asyncrl_probe_tool", "parameters": {}}}]
+            chat = [{"role": "user", "content": "x"}]
+            self._tools_ok = "asyncrl_probe_tool" in self.tokenizer.apply_chat_template(chat, tools=probe,
+                                                                                         tokenize=False)
+        return self._tools_ok
+
+    @staticmethod
+    def _tools_in_system(messages: list[dict], tools: list[dict]) -> list[dict]:
+        first = messages[0] if messages and messages[0].get("role") == "system" else None
+        system = {"role": "system", "content": tool_system_text(first["content"] if first else "", tools)}
+        return [system] + list(messages[1:] if first else messages)
 
     def prompt_text(self, messages: list[dict], tools: list[dict] = ()) -> str:
         if self.templated:

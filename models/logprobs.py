@@ -18,6 +18,9 @@ Design (docs/learner.md has the memory budget):
   This stays plain torch, works on CPU and CUDA, under DDP/FSDP and with any loss built on top.
 - A head that is not a plain `nn.Linear` (e.g. LoRA on `lm_head`) goes through the same chunking with
   non-reentrant activation checkpointing of the head call instead of the fused Function.
+- The distribution is over the ids the tokenizer has (`vocab_limit` = len(tokenizer)): the embedding
+  matrix is padded past it (Qwen2.5: 151,936 rows, 151,665 tokens) and both engines mask those ids
+  (client/engine.py), so the head's rows beyond the limit take no part in the softmax here either.
 
 `CompletionScorer` wraps a (PEFT) causal LM as one module whose forward is exactly this computation, so
 DDP / FSDP can wrap it and see one forward per micro-batch.
@@ -40,10 +43,13 @@ def head_chunk_tokens(vocab_size: int, budget_bytes: int = HEAD_CHUNK_BYTES) -> 
 
 class SelectiveLogSoftmax(torch.autograd.Function):
     """log softmax(h W^T + b)[target] (and the entropy, not differentiable) for [N, H] hidden states, with
-    per-token inverse temperatures; logits never outlive the call, backward recomputes them."""
+    per-token inverse temperatures, over the head's first `vocab_limit` rows (None = all); logits never
+    outlive the call, backward recomputes them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, inv_temp, with_entropy=True):
+    def forward(ctx, hidden, weight, bias, targets, inv_temp, with_entropy=True, vocab_limit=None):
+        rows = weight.shape[0]
+        weight, bias = _limited(weight, bias, vocab_limit)
         logits = _logits(hidden, weight, bias, inv_temp)
         lse = torch.logsumexp(logits, dim=-1)
         logp = logits.gather(1, targets.unsqueeze(1)).squeeze(1) - lse
@@ -55,7 +61,7 @@ class SelectiveLogSoftmax(torch.autograd.Function):
             entropy = torch.zeros_like(lse)
         del logits
         ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), targets, inv_temp, lse)
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.rows = bias is not None, rows
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
@@ -68,13 +74,23 @@ class SelectiveLogSoftmax(torch.autograd.Function):
         g.scatter_add_(1, targets.unsqueeze(1), grad_logp.unsqueeze(1))
         g.mul_(inv_temp.unsqueeze(1))  # chain rule through logits / temperature
         grad_h = grad_w = grad_b = None
+        pad = ctx.rows - weight.shape[0]  # rows beyond vocab_limit: no logit, no gradient
         if ctx.needs_input_grad[0]:
             grad_h = (g.to(weight.dtype) @ weight).to(hidden.dtype)
         if ctx.needs_input_grad[1]:
             grad_w = (g.t().to(hidden.dtype) @ hidden).to(weight.dtype)
+            grad_w = torch.cat([grad_w, grad_w.new_zeros(pad, grad_w.shape[1])]) if pad else grad_w
         if bias is not None and ctx.needs_input_grad[2]:
             grad_b = g.sum(0).to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None
+            grad_b = torch.cat([grad_b, grad_b.new_zeros(pad)]) if pad else grad_b
+        return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def _limited(weight, bias, vocab_limit):
+    """The head's first `vocab_limit` rows (the ids the tokenizer has); all of them for None."""
+    if vocab_limit is None or vocab_limit >= weight.shape[0]:
+        return weight, bias
+    return weight[:vocab_limit], (bias[:vocab_limit] if bias is not None else None)
 
 
 def _logits(hidden, weight, bias, inv_temp) -> torch.Tensor:
@@ -84,8 +100,8 @@ def _logits(hidden, weight, bias, inv_temp) -> torch.Tensor:
     return logits.mul_(inv_temp.unsqueeze(1))
 
 
-def _generic_head(head, hidden, targets, inv_temp):
-    logits = head(hidden).float() * inv_temp.unsqueeze(1)
+def _generic_head(head, hidden, targets, inv_temp, vocab_limit=None):
+    logits = head(hidden).float()[:, :vocab_limit] * inv_temp.unsqueeze(1)
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(1, targets.unsqueeze(1)).squeeze(1) - lse
     with torch.no_grad():
@@ -94,9 +110,9 @@ def _generic_head(head, hidden, targets, inv_temp):
 
 
 def head_logprobs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, inv_temp: torch.Tensor,
-                  chunk: int, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                  chunk: int, with_entropy: bool = True, vocab_limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[N] log-probabilities of `targets` and [N] entropies (zeros without `with_entropy`) under `head`,
-    `chunk` tokens at a time."""
+    `chunk` tokens at a time; the softmax over the first `vocab_limit` ids (None = the whole head)."""
     from torch.utils.checkpoint import checkpoint
 
     fused = type(head) is nn.Linear
@@ -104,11 +120,11 @@ def head_logprobs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, 
     for lo in range(0, hidden.shape[0], chunk):
         h, t, s = hidden[lo:lo + chunk], targets[lo:lo + chunk], inv_temp[lo:lo + chunk]
         if fused:
-            lp, ent = SelectiveLogSoftmax.apply(h, head.weight, head.bias, t, s, with_entropy)
+            lp, ent = SelectiveLogSoftmax.apply(h, head.weight, head.bias, t, s, with_entropy, vocab_limit)
         elif torch.is_grad_enabled():
-            lp, ent = checkpoint(_generic_head, head, h, t, s, use_reentrant=False)
+            lp, ent = checkpoint(_generic_head, head, h, t, s, vocab_limit, use_reentrant=False)
         else:
-            lp, ent = _generic_head(head, h, t, s)
+            lp, ent = _generic_head(head, h, t, s, vocab_limit)
         logps.append(lp)
         ents.append(ent)
     if not logps:
@@ -130,9 +146,12 @@ class CompletionScorer(nn.Module):
     `comp_lens`, `temps` [B] and `mask` [B, Tmax]. Token j of row i is predicted by position
     prompt_len + j - 1."""
 
-    def __init__(self, model: nn.Module, head_chunk_bytes: int = HEAD_CHUNK_BYTES):
+    def __init__(self, model: nn.Module, head_chunk_bytes: int = HEAD_CHUNK_BYTES, vocab_limit: int | None = None):
+        """`vocab_limit`: len(tokenizer); ids at or beyond it (the padded embedding rows) are outside the
+        distribution, as both engines sample it (client/engine.py). None = the whole head."""
         super().__init__()
         self.model = model
+        self.vocab_limit = vocab_limit
         causal = model.get_base_model() if hasattr(model, "get_base_model") else model
         for attr in UNSUPPORTED_LOGIT_TRANSFORMS:
             value = getattr(causal.config, attr, None)
@@ -152,7 +171,7 @@ class CompletionScorer(nn.Module):
         pos = batch["prompt_lens"].to(ids.device)[rows] - 1 + cols
         inv_temp = (1.0 / batch["temps"].to(ids.device, torch.float32))[rows]
         lp, ent = head_logprobs(causal.get_output_embeddings(), hidden[rows, pos], ids[rows, pos + 1], inv_temp,
-                                self.chunk, with_entropy=entropy)
+                                self.chunk, with_entropy=entropy, vocab_limit=self.vocab_limit)
         logps = torch.zeros((B, tmax), dtype=torch.float32, device=ids.device).index_put((rows, cols), lp)
         entropy = torch.zeros((B, tmax), dtype=torch.float32, device=ids.device).index_put((rows, cols), ent.detach())
         return TokenLogprobs(logps, entropy)

@@ -63,10 +63,17 @@ def load_base_model(model: str, *, dtype: torch.dtype = torch.float32, revision:
 
     Weights are read straight into `dtype` (a bf16 checkpoint never passes through an fp32 copy:
     `low_cpu_mem_usage=True` on transformers 4.x, what 5.x always does) and, for a CUDA
-    `device`, straight onto that GPU (`device_map`), not through host RAM in full."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    `device`, straight onto that GPU (`device_map`), not through host RAM in full. `device="meta"`: the
+    architecture only, no weights read (an FSDP rank > 0, which receives its shards from rank 0)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model, revision=revision)
+    if str(device) == "meta":
+        with torch.device("meta"):
+            base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model, revision=revision), dtype=dtype)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return base, tokenizer
     extra = {"device_map": device} if device is not None and str(device).startswith("cuda") else {}
     extra["low_cpu_mem_usage"] = True
     base = AutoModelForCausalLM.from_pretrained(model, revision=revision, dtype=dtype, **extra)

@@ -44,6 +44,8 @@ class RejectCode(str, enum.Enum):
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"  # a request's bytes did not arrive in time (slow-drip stream cut)
     UNSCORABLE = "UNSCORABLE"  # our reward check could not finish (timeout/crash): not the sender's fault
     ENV_MISMATCH = "ENV_MISMATCH"  # an episode's environment turns differ from the environment's replay (envs/)
+    OUT_OF_VOCAB = "OUT_OF_VOCAB"  # a completion holds a token id at or beyond the tokenizer's length (never sampled honestly)
+    REWARD_PACKAGE_MISSING = "REWARD_PACKAGE_MISSING"  # the volunteer lacks a package (at its version) the run's rewards come from
     UNVOUCHED = "UNVOUCHED"  # a claimed fetch source the coordinator does not vouch for (its probe went unanswered)
 
     def __str__(self) -> str:

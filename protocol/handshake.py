@@ -47,12 +47,39 @@ MAX_DIAL_BACK_PORTS = 4
 _Text = Annotated[str, msgspec.Meta(max_length=256)]
 
 
+MAX_REWARD_PACKAGES = 16  # 16 x 3 x 64 characters: the answer stays within MAX_INFO_BYTES with a full pointer
+MAX_MISSING_REWARDS = 8
+_Short = Annotated[str, msgspec.Meta(max_length=64)]
+
+
+class RewardPackage(msgspec.Struct, frozen=True, kw_only=True):
+    """A reward the run scores with and the installed distribution it comes from (its `asyncrl.rewards`
+    entry point): every volunteer needs the same package at the same version (tasks.reward_package)."""
+
+    reward: _Short
+    package: _Short
+    version: _Short
+
+
+def install_line(packages) -> str:
+    """The pip command that installs `packages` (RewardPackage) at the run's versions, each package once."""
+    return "pip install " + " ".join(f"'{name}=={version}'" for name, version in package_versions(packages))
+
+
+def package_versions(packages) -> list[tuple[str, str]]:
+    """(package, version) of `packages` (RewardPackage), each once, in order."""
+    return list(dict.fromkeys((p.package, p.version) for p in packages))
+
+
 class InfoRequest(msgspec.Struct, frozen=True, kw_only=True):
     client_version: _Text = ""
     protocol: int = PROTOCOL_VERSION
     schema: int = SCHEMA_VERSION
     dial_back_ports: Annotated[tuple[int, ...], msgspec.Meta(max_length=MAX_DIAL_BACK_PORTS)] = ()
     """TCP ports the coordinator should try to connect back to on the caller's observed IP (NAT check)."""
+    missing_rewards: Annotated[tuple[_Short, ...], msgspec.Meta(max_length=MAX_MISSING_REWARDS)] = ()
+    """Rewards of `CoordinatorInfo.reward_packages` this client lacks (or has at another version): it will not
+    join; said so the operator sees it. Answered REWARD_PACKAGE_MISSING with the install line."""
 
 
 class CoordinatorInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -73,6 +100,8 @@ class CoordinatorInfo(msgspec.Struct, frozen=True, kw_only=True):
     # the run's environment pin, JSON {"name", "package", "version", "sha256"} (envs/base.py `pin`); "" = the
     # run has single-answer tasks. A volunteer without the same environment does not start (client/checks.py).
     environment: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+    # the packages the run's rewards come from (built-ins, which ship with asyncrl, are not listed)
+    reward_packages: Annotated[tuple[RewardPackage, ...], msgspec.Meta(max_length=MAX_REWARD_PACKAGES)] = ()
 
 
 _info_encoder = msgspec.msgpack.Encoder()

@@ -35,6 +35,7 @@ MAX_CHUNK_BYTES = 4 * MiB
 # Rollout batch shape caps: a batch is a unit of idempotent ingest, not a bulk transfer, and
 # GRPO group sizes beyond 64 bring nothing. They also bound the object count a decoder can create.
 MAX_GROUPS_PER_BATCH = 256
+MAX_REWARD_ERROR_CHARS = 500  # LeaseRequest.reward_error: what a volunteer's reward raised, for the operator
 MAX_COMPLETIONS_PER_GROUP = 64
 # Longest prompt or completion, in tokens (int32 ids -> at most 128 KiB per sequence field).
 MAX_TOKENS_PER_SEQUENCE = 32768
@@ -45,6 +46,7 @@ MAX_TENSORS_PER_ADAPTER = 8192
 MAX_TENSOR_DIMS = 8
 # Stop-token set of the base model in a manifest (Qwen2.5-Instruct has 2; a handful is normal).
 MAX_STOP_TOKENS = 64
+MAX_CANARY_TOKENS = 128  # prompt and completion tokens each in an adapter's canary (messages.Canary)
 
 # An envelope is accepted only if its timestamp is within ±5 minutes of the receiver's clock:
 # generous for volunteers' unsynchronised clocks, short enough that the replay guard's memory of

@@ -37,7 +37,7 @@ from .errors import ProtocolError, RejectCode
 SCHEMA_VERSION = 2
 """2 (one schema for every change of this release, across the branches that added them; new fields have
 defaults, at the end): LeaseGrant.retry_after_s, .max_batch_bytes and .renewed; LeaseRequest.renew and
-.client_version; TaskLease.columns; AdapterManifest base/tokenizer pins, stop_token_ids and max_context_tokens; RolloutBatch.engine_dtype and .engine_kind;
+.client_version; TaskLease.columns; AdapterManifest base/tokenizer pins, stop_token_ids, max_context_tokens and canary; LeaseRequest.canary; RolloutBatch.engine_dtype and .engine_kind;
 Ack.receipt; AdapterPointer.finished (run end); length caps on names and ids; swarm.ProvidersRecord.shard and .shards;
 Completion.env_mask (multi-turn episodes: b"" = every token is the model's, so batches without it stay valid)."""
 SHA256_BYTES = 32
@@ -153,6 +153,28 @@ class RolloutGroup(_Record):
 # Top-level messages
 
 
+CanaryBytes = Annotated[bytes, msgspec.Meta(max_length=4 * limits.MAX_CANARY_TOKENS)]
+
+
+class Canary(_Record):
+    """An adapter version's identity check (models/canary.py): a fixed probe prompt and completion (int32
+    token ids) with the coordinator's per-token log-probs (float32, temperature 1) of the completion under
+    this version, and under the base model alone. A volunteer scores the probe with its engine after
+    loading the version: near `logprobs` = the adapter landed; near `base_logprobs` = it did not."""
+    prompt_token_ids: CanaryBytes
+    completion_token_ids: CanaryBytes
+    logprobs: CanaryBytes
+    base_logprobs: CanaryBytes
+
+
+class CanaryReport(_Record):
+    """A volunteer's canary result for one version (LeaseRequest.canary): a health report, never a strike."""
+    version: int
+    passed: bool
+    diff: float       # mean |engine - coordinator| log-prob per completion token, under the version
+    base_diff: float  # the same against the base model's log-probs
+
+
 class AdapterManifest(_Message):
     run_id: Id
     version: int
@@ -177,6 +199,8 @@ class AdapterManifest(_Message):
     # the longest prompt + max_new_tokens; a volunteer sizes its engine's context to it (never the model's
     # whole 32k by default) and spends the memory on batch. 0 = not said (multi-turn tasks, built-in toys).
     max_context_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] = 0
+    # schema 2 — the adapter-identity canary (models/canary.py), computed by the learner at publish; None = none
+    canary: Canary | None = None
 
 
 class AdapterPointer(_Message):
@@ -205,6 +229,11 @@ class LeaseRequest(_Message):
     # schema 2: leases whose groups this volunteer could not score (its reward check did not finish): ended
     # now, and counted against the prompt (poison prompts are retired: coordinator/taskboard.py)
     unscorable: Annotated[tuple[Id, ...], msgspec.Meta(max_length=limits.MAX_GROUPS_PER_BATCH)] = ()
+    # schema 2: this volunteer's canary result for the version it loaded last (health, never a strike)
+    canary: CanaryReport | None = None
+    # schema 2: with `release`, what the volunteer's reward function raised on those leases ("reward 'x':
+    # TypeError: ..."); the coordinator logs it for the operator (metrics.jsonl `reward_error`, dashboard)
+    reward_error: Annotated[str, msgspec.Meta(max_length=limits.MAX_REWARD_ERROR_CHARS)] = ""
 
 
 class LeaseRenewal(_Record):
@@ -526,6 +555,12 @@ def validate_manifest(m: AdapterManifest) -> None:
     if m.raw_bytes != raw:
         raise _bad(f"raw_bytes {m.raw_bytes} != sum of tensor sizes {raw}")
     _int_range(m.compressed_bytes, "compressed_bytes", 0)
+    if m.canary is not None:
+        c = m.canary
+        n = len(c.completion_token_ids)
+        if not c.prompt_token_ids or not n or len(c.prompt_token_ids) % 4 or n % 4 or \
+                len(c.logprobs) != n or len(c.base_logprobs) != n:
+            raise _bad("canary: token ids and both log-prob arrays must be non-empty int32/float32, one per token")
     _int_range(m.chunk_bytes, "chunk_bytes", 1, limits.MAX_CHUNK_BYTES)
     n_chunks = -(-m.compressed_bytes // m.chunk_bytes)
     if len(m.chunk_hashes) != n_chunks:

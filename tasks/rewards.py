@@ -1,19 +1,25 @@
 """Rewards shared by the coordinator (re-verification) and the client (scoring): one code path.
 
-Two shapes of reward function, looked up by name in one registry (built-ins, then the `asyncrl.rewards`
-entry-point group a third-party package uses, pyproject.toml):
+Rewards are looked up by name in one registry (built-ins, then the `asyncrl.rewards` entry-point group a
+third-party package uses, pyproject.toml). Two forms:
 
-  simple   `fn(completion: str, answer: str) -> float`, one completion at a time; clamped into [0, 1],
-           NaN counts 0 (the original asyncrl form: `exact`, `math`, `repeat`).
-  batch    TRL's form, `fn(prompts, completions, **kwargs) -> list[float | None]`, called once per group:
-           `prompts` the dataset's prompt repeated G times (a string, or a list of messages), `completions`
-           the G texts (conversational prompts: `[{"role": "assistant", "content": text}]` each, as TRL
-           does), `completion_ids` the G token-id lists, and every other dataset column (repeated G times)
-           as a keyword argument. `None` means "not applicable to this sample". Values are not clamped.
+  trl      any function TRL's GRPOTrainer accepts, called as GRPOTrainer._calculate_rewards calls it:
+           once per group, keyword arguments only — `prompts` (the dataset's prompt repeated G times: a
+           string, or a list of messages), `completions` (the G texts; conversational prompts:
+           `[{"role": "assistant", "content": text}]` each, a prefilled assistant turn prepended as TRL's
+           bootstrap), `completion_ids` (G lists of ints), `trainer_state` (`RewardState`: only
+           `global_step`), `log_extra` / `log_metric` (accepted; what they are given is not recorded yet),
+           and every other dataset column repeated G times. Returns G floats or None ("not applicable");
+           values are not clamped. `async def` functions (anything returning an awaitable) are awaited.
+           This is the form of every function that is not declared simple.
+  simple   `fn(completion: str, answer: str) -> float`, one completion at a time, clamped into [0, 1], NaN
+           counts 0 (`exact`, `math`, `repeat`). Declared explicitly — `@simple_reward`, or an attribute
+           `asyncrl_reward_shape = "simple"` on the function — never guessed from the signature.
 
-Which shape a function has: an explicit mark wins (`@batch_reward` / `@simple_reward`, or an attribute
-`asyncrl_reward_shape = "batch" | "simple"`), otherwise its signature decides — a parameter named
-`completions` (TRL always passes it by that name) makes it a batch reward, anything else is simple.
+Not supported: reward *models* (TRL's model-id strings / nn.Module rewards) and `environments`; a function
+that needs one, or a keyword nobody passes, or a positional-only parameter, is refused when the task opens
+(`check_reward`: the coordinator's start) with a `RewardError` naming the parameter. A function without
+`**kwargs` is passed only the keywords it names (TRL would raise there; we are lenient by design).
 
 A **reward spec** names what a record is scored with: one name (`"math"`), or a weighted sum
 (`"accuracy+0.5*format"`, TRL's `reward_funcs` + `reward_weights`). Weighted sums follow TRL's
@@ -26,6 +32,7 @@ that is not finite or beyond `limits.MAX_ABS_REWARD` is an error of the reward, 
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import json
@@ -42,13 +49,32 @@ from .prompt import Prompt
 from .toy import repeat_reward
 
 RewardFn = Callable[..., Any]
-SHAPES = ("simple", "batch")
+SHAPES = ("simple", "trl", "batch")  # "batch": the older name of "trl"
+TRL_KWARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+"""What GRPOTrainer passes every custom reward besides the dataset columns (`environments` only with an
+environment_factory, which asyncrl does not have)."""
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*\Z")
 RESERVED_COLUMNS = ("prompt", "completion", "completions", "prompts", "completion_ids")
 """Column names TRL keeps for itself: a dataset column by one of these names is not passed as a kwarg
 (except "prompt", which becomes `prompts`)."""
 
 
+def simple_reward(fn: RewardFn) -> RewardFn:
+    """Declare `fn` a simple `(completion, answer) -> float` reward (see the module docstring)."""
+    fn.asyncrl_reward_shape = "simple"
+    return fn
+
+
+def trl_reward(fn: RewardFn) -> RewardFn:
+    """Declare `fn` a TRL-form reward (the default for any function not declared simple)."""
+    fn.asyncrl_reward_shape = "trl"
+    return fn
+
+
+batch_reward = trl_reward  # the older name
+
+
+@simple_reward
 def exact_reward(completion: str, answer: str) -> float:
     """1.0 when the stripped completion equals the stripped answer, else 0.0."""
     return 1.0 if completion.strip() == answer.strip() else 0.0
@@ -63,6 +89,7 @@ def gold_answer(answer: str) -> str:
     return answer
 
 
+@simple_reward
 def math_reward(completion: str, answer: str) -> float:
     """math-verify equivalence of the completion's final answer and the gold answer (GSM8K `#### N`,
     `\\boxed{}` or plain), in a time-limited worker."""
@@ -71,8 +98,9 @@ def math_reward(completion: str, answer: str) -> float:
     return verify(completion, gold_answer(answer))
 
 
-REWARDS: dict[str, RewardFn] = {"repeat": repeat_reward, "exact": exact_reward, "math": math_reward,
+REWARDS: dict[str, RewardFn] = {"repeat": simple_reward(repeat_reward), "exact": exact_reward, "math": math_reward,
                                  rgym.REWARD: rgym.reasoning_gym_reward}
+BUILTIN = frozenset(REWARDS)
 
 
 # ---- scoring without decoding, where a reward allows it (the coordinator's re-scoring: coordinator/ingest.py) ----
@@ -153,18 +181,6 @@ class RewardError(ValueError):
     """A reward function or spec that cannot be used: a bad spec, an unknown shape, a wrong return value."""
 
 
-def batch_reward(fn: RewardFn) -> RewardFn:
-    """Mark `fn` as a TRL-style batch reward (when its signature does not say so)."""
-    fn.asyncrl_reward_shape = "batch"
-    return fn
-
-
-def simple_reward(fn: RewardFn) -> RewardFn:
-    """Mark `fn` as a simple `(completion, answer)` reward."""
-    fn.asyncrl_reward_shape = "simple"
-    return fn
-
-
 def get_reward(name: str) -> RewardFn:
     """Built-in rewards, then third-party ones from the `asyncrl.rewards` entry-point group."""
     if name in REWARDS:
@@ -179,20 +195,84 @@ def get_reward(name: str) -> RewardFn:
     raise UnknownReward(f"unknown reward {name!r}; built-in: {sorted(REWARDS)}")
 
 
+def reward_package(name: str) -> tuple[str, str] | None:
+    """(distribution name, version) of the package an entry-point reward comes from; None for a built-in
+    (it ships with asyncrl) or a reward registered in code."""
+    if name in BUILTIN:
+        return None
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="asyncrl.rewards"):
+        if ep.name == name and ep.dist is not None:
+            return ep.dist.name, ep.dist.version
+    return None
+
+
+def packages_of(specs) -> list[tuple[str, str, str]]:
+    """(reward, distribution, version) for every entry-point reward the reward `specs` name, sorted: what a
+    volunteer must have installed to score this task (tasks/rewards.py; the coordinator's handshake)."""
+    out = set()
+    for spec in specs:
+        for term in parse_spec(spec):
+            pkg = reward_package(term.name)
+            if pkg is not None:
+                out.add((term.name, *pkg))
+    return sorted(out)
+
+
 def reward_shape(fn: RewardFn) -> str:
-    """"batch" or "simple" (see the module docstring)."""
+    """"trl" or "simple" (see the module docstring): the declared shape, else "trl"."""
     mark = getattr(fn, "asyncrl_reward_shape", None)
-    if mark is not None:
-        if mark not in SHAPES:
-            raise RewardError(f"asyncrl_reward_shape must be one of {SHAPES}, got {mark!r}")
-        return mark
-    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
-        raise RewardError("async reward functions are not supported: make it a plain function")
+    if mark is None:
+        return "trl"
+    if mark not in SHAPES:
+        raise RewardError(f"asyncrl_reward_shape must be one of {SHAPES[:2]}, got {mark!r}")
+    return "trl" if mark == "batch" else mark
+
+
+def check_reward(name: str, fn: RewardFn, columns=None) -> str:
+    """The reward's shape, or a RewardError naming what asyncrl cannot call it with. `columns`: the dataset
+    columns a record passes (None: not known here, only the signature's own problems are checked)."""
     try:
-        params = inspect.signature(fn).parameters
+        import torch
+
+        if isinstance(fn, torch.nn.Module):
+            raise RewardError(f"reward {name!r} is a model: reward models are not supported (only functions)")
+    except ImportError:
+        pass
+    if isinstance(fn, str) or not callable(fn):
+        raise RewardError(f"reward {name!r} is not a function ({type(fn).__name__}): reward models named by id "
+                          "are not supported")
+    shape = reward_shape(fn)
+    try:
+        sig = inspect.signature(fn)
     except (TypeError, ValueError):
-        return "simple"
-    return "batch" if "completions" in params else "simple"
+        return shape  # a builtin without a signature: its own errors show when it is called
+    params = sig.parameters.values()
+    if shape == "simple":
+        try:
+            sig.bind("completion", "answer")
+        except TypeError as exc:
+            raise RewardError(f"simple reward {name!r} cannot be called as fn(completion, answer): {exc}") from None
+        return shape
+    given = set(TRL_KWARGS) | (set(columns) - set(RESERVED_COLUMNS) if columns is not None else set())
+    for p in params:
+        required = p.default is inspect.Parameter.empty
+        if p.kind is inspect.Parameter.POSITIONAL_ONLY and required:
+            raise RewardError(f"reward {name!r}: parameter {p.name!r} is positional-only; TRL-form rewards are "
+                              "called with keyword arguments only")
+        if p.kind not in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY) or not required:
+            continue
+        if p.name == "environments":
+            raise RewardError(f"reward {name!r}: parameter 'environments' is not supported (asyncrl has no "
+                              "environment_factory)")
+        if columns is not None and p.name not in given:
+            hint = (" — a simple (completion, answer) reward must be declared: @asyncrl.tasks.simple_reward or "
+                    "asyncrl_reward_shape = \"simple\"" if p.name in ("completion", "answer") else "")
+            raise RewardError(f"reward {name!r}: parameter {p.name!r} is neither one TRL passes "
+                              f"({', '.join(TRL_KWARGS)}) nor a column of the record "
+                              f"({', '.join(sorted(given - set(TRL_KWARGS))) or 'none'}){hint}")
+    return shape
 
 
 # ---- reward specs ------------------------------------------------------------------------------------
@@ -241,11 +321,12 @@ def format_spec(names, weights=None) -> str:
     return spec
 
 
-def check_spec(spec: str) -> str:
-    """Parse and resolve every name (UnknownReward / RewardError); returns the canonical form."""
+def check_spec(spec: str, columns=None) -> str:
+    """Parse and resolve every name and check each function can be called with the record's `columns`
+    (`check_reward`; UnknownReward / RewardError); returns the canonical form."""
     terms = parse_spec(spec)
     for t in terms:
-        reward_shape(get_reward(t.name))
+        check_reward(t.name, get_reward(t.name), columns)
     return format_spec([t.name for t in terms], [t.weight for t in terms])
 
 
@@ -281,7 +362,41 @@ def is_conversational(prompt_value) -> bool:
             and "role" in prompt_value[0] and "content" in prompt_value[0])
 
 
-def _batch_values(name: str, fn: RewardFn, prompt_value, texts: list[str], completion_ids, columns) -> list:
+@dataclass(frozen=True)
+class RewardState:
+    """What a TRL-form reward gets as `trainer_state`: the same on the volunteer and on the coordinator's
+    re-score, so only what both know. `global_step` is the adapter version the completions were sampled
+    with (= optimizer steps taken when publish_every is 1). Any other TrainerState attribute is an
+    AttributeError that says so."""
+
+    global_step: int = 0
+
+    def __getattr__(self, item):
+        raise AttributeError(f"asyncrl's trainer_state has only global_step (the adapter version sampled "
+                             f"with); TrainerState.{item} is not available")
+
+
+def _discard(*args, **kwargs) -> None:
+    """log_extra / log_metric: accepted so TRL's functions run unchanged; what they log is not recorded."""
+
+
+def _await(value):
+    """The result of an awaitable (an async reward), run to completion on a loop of its own."""
+    async def wait():
+        return await value
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(wait())
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:  # called from inside a running loop: a fresh loop in a helper thread
+        return pool.submit(asyncio.run, wait()).result()
+
+
+def _batch_values(name: str, fn: RewardFn, prompt_value, texts: list[str], completion_ids, columns,
+                  version: int = 0) -> list:
     g = len(texts)
     if is_conversational(prompt_value):
         last = prompt_value[-1]
@@ -291,11 +406,17 @@ def _batch_values(name: str, fn: RewardFn, prompt_value, texts: list[str], compl
         completions = list(texts)
     kwargs = {k: [v] * g for k, v in columns.items()}
     kwargs.update(prompts=[prompt_value] * g, completions=completions,
-                  completion_ids=[list(ids) for ids in completion_ids])
-    params = inspect.signature(fn).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+                  completion_ids=[list(ids) for ids in completion_ids], trainer_state=RewardState(int(version)),
+                  log_extra=_discard, log_metric=_discard)
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = None
+    if params is not None and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         kwargs = {k: v for k, v in kwargs.items() if k in params}  # no **kwargs: pass what it names
     out = fn(**kwargs)
+    if inspect.isawaitable(out):
+        out = _await(out)
     try:
         values = list(out)
     except TypeError:
@@ -322,8 +443,9 @@ def _batch_values(name: str, fn: RewardFn, prompt_value, texts: list[str], compl
     return clean
 
 
-def score_group(prompt: Prompt, texts: list[str], completion_ids) -> GroupScore:
-    """Score one group's completions (decoded with skip_special_tokens) with `prompt.reward`.
+def score_group(prompt: Prompt, texts: list[str], completion_ids, version: int = 0) -> GroupScore:
+    """Score one group's completions (decoded with skip_special_tokens) with `prompt.reward`; `version` is
+    the adapter version they were sampled with (TRL-form rewards see it as `trainer_state.global_step`).
 
     Both the volunteer (before it signs) and the coordinator (re-scoring at ingest) call exactly this.
     """
@@ -338,7 +460,7 @@ def score_group(prompt: Prompt, texts: list[str], completion_ids) -> GroupScore:
         if reward_shape(fn) == "simple":
             values: list[float | None] = [_clamped(fn(t, prompt.answer)) for t in texts]
         else:
-            values = _batch_values(term.name, fn, prompt_value, texts, completion_ids, columns)
+            values = _batch_values(term.name, fn, prompt_value, texts, completion_ids, columns, version)
         per_reward[term.name] = values
         for i, v in enumerate(values):
             if v is not None:

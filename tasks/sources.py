@@ -178,12 +178,12 @@ def _record(obj, where: str, fields: RecordFields, line: int | None = None) -> P
             reward = rewards.format_spec(reward)
         if not isinstance(reward, str):
             raise rewards.RewardError("field 'reward' must name a reward function (or a list of names)")
-        reward = rewards.check_spec(reward)
+        reward = rewards.check_spec(reward, columns=[k for k in obj if k != fields.prompt_field])
     except (rewards.UnknownReward, rewards.RewardError) as exc:
         raise bad(exc.args[0]) from None
     if isinstance(answer, (int, float)) and not isinstance(answer, bool):
         answer = str(answer)
-    if answer is None and all(rewards.reward_shape(rewards.get_reward(t.name)) == "batch"
+    if answer is None and all(rewards.reward_shape(rewards.get_reward(t.name)) == "trl"
                               for t in rewards.parse_spec(reward)):
         answer = ""  # only TRL-style rewards: they read whatever columns they name
     if not isinstance(answer, str):

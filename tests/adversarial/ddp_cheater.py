@@ -2,7 +2,8 @@
 TaskBoard and signed envelopes on rank 0, a real engine generating the honest tokens.
 
 Under DDP the learner takes no train-time audit hook (each rank sees only its slice), so a batch claiming
-the *current* version must be audited at ingest on the shadow model; before, it was never audited at all.
+the *current* version must be audited on the shadow model (by the audit worker, after the ack, before
+training); before, it was never audited at all.
 Rank 0 writes what happened as JSON (`--out`); tests/adversarial/test_limits.py runs it and checks it:
 
     torchrun --standalone --nproc-per-node 2 -m tests.adversarial.ddp_cheater --out /tmp/ddp_cheater.json
@@ -80,9 +81,18 @@ def main(argv=None) -> int:
     honest, cheater = Identity.generate(), Identity.generate()
     result = {"world_size": size, "hook_taken": learner.audit_hook is not None,
               "reuse_learner_pass": auditor.reuse_learner_pass, "cheater": [], "honest": []}
+    def final_code(sealed: bytes) -> str:
+        """The ack's code, or for an acked batch its audit's verdict (audits run after the ack)."""
+        ack = ingest.handle(sealed)
+        if not ack.accepted:
+            return ack.code
+        assert ingest.audits.wait_idle(120), "the audit worker did not finish"
+        codes = [v["code"] for v in ingest.verdicts if v["batch_id"] == ack.batch_id.hex()]
+        return next((c for c in codes if c not in ("ACCEPTED", "AUDIT_PASSED")), "ACCEPTED")
+
     for _ in range(2):
-        result["cheater"].append(ingest.handle(batch_from(cheater, forge=True)).code or "ACCEPTED")
-        result["honest"].append(ingest.handle(batch_from(honest, forge=False)).code or "ACCEPTED")
+        result["cheater"].append(final_code(batch_from(cheater, forge=True)))
+        result["honest"].append(final_code(batch_from(honest, forge=False)))
     import threading
 
     items = ingest.take(1 << 20, max_wait_s=0.2, min_groups=1, stop=threading.Event())

@@ -110,7 +110,7 @@ def test_a_batch_too_large_for_the_coordinator_never_jams_the_outbox(swarm, atta
 def test_a_current_version_cheater_against_a_ddp_learner(swarm, attack, tmp_path):
     rec = attack("DDP current-version cheater", "made-up logprobs for the current adapter version, against a 2-rank "
                  "DDP learner (torchrun, gloo) whose ranks take no train-time audit hook",
-                 note="audited at ingest on the shadow model instead (tests/adversarial/ddp_cheater.py)")
+                 note="audited on the shadow model by the audit worker instead (tests/adversarial/ddp_cheater.py)")
     out = tmp_path / "ddp_cheater.json"
     proc = swarm.procs.start("ddp-cheater", ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                                              "-m", "tests.adversarial.ddp_cheater", "--out", str(out)])

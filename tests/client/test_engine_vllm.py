@@ -72,11 +72,12 @@ def _recompute(model_dir: str, adapter, prompt: list[int], tokens: list[int], sa
     ids = torch.tensor([prompt + tokens])
     with torch.no_grad():
         logits = _MODELS[key](input_ids=ids).logits[0, len(prompt) - 1:-1].float()
-    lp = processed_logprobs(logits, sampling)
+    lp = processed_logprobs(logits, sampling, vocab_limit=TOKENIZER_IDS)
     return lp.gather(1, torch.tensor(tokens)[:, None]).squeeze(1).tolist()
 
 
 _MODELS: dict = {}
+TOKENIZER_IDS = 61  # len(tinymodel.build_tokenizer(instruct=True)); the model has 64 rows
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +121,7 @@ def test_vllm_engine_matches_transformers(driven):
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = [tok.encode(p) for p in PROMPTS]
     vocab = result["vocab_size"]
+    assert len(tok) == TOKENIZER_IDS
 
     diffs: list[float] = []
     other_diffs: list[float] = []
@@ -133,7 +135,7 @@ def test_vllm_engine_matches_transformers(driven):
             for s in group:
                 toks, lps = s["token_ids"], s["logprobs"]
                 assert 1 <= len(toks) <= max_new and len(lps) == len(toks)
-                assert all(0 <= t < vocab for t in toks)
+                assert all(0 <= t < TOKENIZER_IDS < vocab for t in toks)  # never a padded row (allowed_token_ids)
                 assert all(math.isfinite(x) and x <= 1e-6 for x in lps), lps
                 assert not stops & set(toks[:-1])
                 if s["finish_reason"] == "stop":

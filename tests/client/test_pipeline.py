@@ -30,6 +30,7 @@ class LeaseDesk:
         self.released: set[str] = set()
         self.delivered: set[str] = set()  # lease ids in acked batches
         self.second_grant = threading.Event()
+        self.canaries: list[messages.CanaryReport] = []  # canary reports carried by lease requests
         self._lock = threading.Lock()
 
     def outstanding(self) -> set[str]:
@@ -48,6 +49,8 @@ class LeaseDesk:
         req = messages.decode(opened.payload, messages.LeaseRequest, max_bytes=1 << 20)
         with self._lock:
             self.released.update(req.release)
+            if req.canary is not None:
+                self.canaries.append(req.canary)
             renewed = tuple(messages.LeaseRenewal(i, 60.0) for i in req.renew)
             leases = ()
             if req.max_prompts > 0:

@@ -38,7 +38,7 @@ def test_a_failing_reward_plugin_is_unscorable_not_zero(monkeypatch):
     def broken(completion, answer):
         raise RuntimeError("plugin bug")
 
-    monkeypatch.setitem(tasks.REWARDS, "broken", broken)
+    monkeypatch.setitem(tasks.REWARDS, "broken", tasks.simple_reward(broken))
     with pytest.raises(tasks.Unscorable):
         tasks.score("broken", "x", "y")
 
@@ -59,7 +59,7 @@ def test_unknown_reward_is_a_clear_error():
 def test_third_party_reward_through_entry_points(tmp_path, monkeypatch):
     pkg = tmp_path / "acme_rewards"
     pkg.mkdir()
-    (pkg / "__init__.py").write_text("def shout(completion, answer):\n    return 1.0 if completion.isupper() else 0.25\n")
+    (pkg / "__init__.py").write_text("from asyncrl.tasks import simple_reward\n\n@simple_reward\ndef shout(completion, answer):\n    return 1.0 if completion.isupper() else 0.25\n")
     dist = tmp_path / "acme_rewards-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-rewards\nVersion: 1.0\n")
@@ -75,9 +75,9 @@ def test_third_party_reward_through_entry_points(tmp_path, monkeypatch):
 
 
 def test_scores_are_clamped_into_unit_interval(monkeypatch):
-    monkeypatch.setitem(tasks.REWARDS, "wild", lambda c, a: 7.0)
+    monkeypatch.setitem(tasks.REWARDS, "wild", tasks.simple_reward(lambda c, a: 7.0))
     assert tasks.score("wild", "x", "y") == 1.0
-    monkeypatch.setitem(tasks.REWARDS, "nan", lambda c, a: float("nan"))
+    monkeypatch.setitem(tasks.REWARDS, "nan", tasks.simple_reward(lambda c, a: float("nan")))
     assert tasks.score("nan", "x", "y") == 0.0
 
 

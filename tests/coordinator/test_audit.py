@@ -269,3 +269,23 @@ def test_a_restarted_auditor_checks_against_the_versions_it_kept_on_disk(setup, 
         learner.audit_hook = hook
     assert result is not None and result.groups_used == len(replayed) - len(liar)
     assert sorted(verdicts.seen[-2:]) == [(b"bad", RejectCode.LOGPROB_MISMATCH, "train"), (b"ok", None, "train")]
+
+
+def test_an_auditor_on_its_own_device_holds_a_full_copy_and_judges_the_same(setup):
+    """--audit-device: shadow passes on another device than the learner's hold the whole model there. Here
+    "cpu:0" names a device other than the learner's "cpu" (the only kind this machine has), so the full-copy
+    path runs: no parameter shared with the learner, and the same verdicts as the shared-base auditor."""
+    learner, auditor, engine, _, _ = setup
+    own = Auditor(learner, tolerance=0.01, keep_versions=2, device="cpu:0")
+    assert own.own_copy and not auditor.own_copy
+    shared = {p.data_ptr() for p in learner.model.parameters()}
+    assert not any(p.data_ptr() in shared for p in own.model.parameters())
+    specs, blobs = export_lora(learner.model, "bf16")
+    v = 5000 + learner.version  # a version of its own, served by the engine below
+    engine.load_adapter(v, specs, blobs)
+    own.remember_published(v, specs, blobs, learner.steps)
+    honest = honest_groups(learner, engine, seed=21)
+    assert own.check(b"s", b"h", v, honest, valid_streak=0, current_version=v + 1) == "passed"
+    with pytest.raises(ProtocolError) as e:
+        own.check(b"s", b"f", v, forged(honest), valid_streak=0, current_version=v + 1)
+    assert e.value.code is RejectCode.LOGPROB_MISMATCH

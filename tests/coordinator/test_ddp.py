@@ -48,6 +48,14 @@ def test_two_gloo_processes_match_one(procs, tmp_path, one_process, parallel):
         assert diff <= 1e-3, (loss_type, diff)  # see ddp_check --atol: AdamW amplifies ~1e-9 gradients
     assert subprocess.run([sys.executable, "-m", "asyncrl.coordinator.ddp_check", "--compare", str(one_process),
                            str(two)], capture_output=True).returncode == 0
+    import json
+
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"two.safetensors.rank{rank}.json").read_text())
+        for learner in report["learners"]:
+            assert all(key.endswith("@" + learner["learner_device"]) for key in learner["calls"])
+            # FSDP: one host copy of the base (rank 0); the other rank builds it on the meta device
+            assert learner["base_loaded_on"] == ("meta" if parallel == "fsdp" and rank == 1 else "cpu")
 
 
 def test_collectives_run_on_the_learner_device_and_survive_an_idle_rank_0(procs, tmp_path):
@@ -62,7 +70,7 @@ def test_collectives_run_on_the_learner_device_and_survive_an_idle_rank_0(procs,
                                    "--loss-types", "grpo", "--micro-batch-tokens", "64", "--device", "cpu",
                                    "--timeout-s", "4", "--idle-s", "8", "--out", str(out)])
     assert run.wait(300) == 0, run.log_path.read_text()[-3000:]
-    report = json.loads((tmp_path / "idle.safetensors.collectives.json").read_text())
+    report = json.loads((tmp_path / "idle.safetensors.rank0.json").read_text())
     assert report["world_size"] == 2
     (learner,) = report["learners"]
     assert learner["learner_device"] == learner["device"] == "cpu"

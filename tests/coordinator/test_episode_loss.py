@@ -27,9 +27,10 @@ def tiny_path():
     return str(tinymodel.write_tiny_model(tinymodel.default_tiny_model_dir()))
 
 
-def token_logps(model, prompt, comp, temperature=1.0):
+def token_logps(model, prompt, comp, temperature=1.0, limit=None):
+    """Over the tokenizer's `limit` ids: the padded embedding rows are outside the distribution (models/logprobs.py)."""
     ids = torch.tensor([prompt + comp])
-    logp = torch.log_softmax(model(input_ids=ids).logits.float()[0] / temperature, dim=-1)
+    logp = torch.log_softmax(model(input_ids=ids).logits.float()[0, :, :limit] / temperature, dim=-1)
     p = len(prompt)
     return logp[p - 1:p - 1 + len(comp)].gather(1, torch.tensor(comp).unsqueeze(1)).squeeze(1)
 
@@ -39,7 +40,7 @@ def test_episode_loss_is_the_loss_over_its_model_tokens(tiny_path, loss_type):
     cfg = LossConfig(loss_type=loss_type, correction="clip")
     lr = learner(tiny_path, cfg)
     with torch.no_grad():  # on-policy sampling logprobs on model tokens (ratio 1, no clipping); 0.0 on env ones
-        sampling = [(token_logps(lr.model, PROMPT, c) * (1 - torch.tensor(m, dtype=torch.float32))).tolist()
+        sampling = [(token_logps(lr.model, PROMPT, c, limit=len(lr.tokenizer)) * (1 - torch.tensor(m, dtype=torch.float32))).tolist()
                     for c, m, _ in EPISODES]
     group = TrainGroup(PROMPT, [c for c, _, _ in EPISODES], sampling, [r for _, _, r in EPISODES], version=0,
                        env_masks=[m for _, m, _ in EPISODES])
@@ -50,7 +51,7 @@ def test_episode_loss_is_the_loss_over_its_model_tokens(tiny_path, loss_type):
     expected_loss = torch.zeros(())
     for (comp, mask, _), a in zip(EPISODES, adv):
         keep = torch.tensor(mask) == 0
-        logp = token_logps(lr.model, PROMPT, comp)[keep]  # the model tokens alone
+        logp = token_logps(lr.model, PROMPT, comp, limit=len(lr.tokenizer))[keep]  # the model tokens alone
         per_token = -a * torch.exp(logp - logp.detach())
         expected_loss = expected_loss + (per_token.mean() / len(EPISODES) if loss_type == "grpo"
                                          else per_token.sum() / total_model_tokens)

@@ -15,6 +15,7 @@ so the bound has teeth.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -25,6 +26,7 @@ PROMPTS = ["rep:a=", "12+34=", "what is 7*6?"]
 GROUP, MAX_NEW = 4, 10
 TF_TOL = 1e-4
 VLLM_TOL = 2e-3
+TOKENIZER_IDS = 59  # len(tinymodel.build_tokenizer()): the tiny model's 64 embedding rows are padded past it
 
 
 class RecordingUploader:
@@ -55,16 +57,19 @@ def samples(trained):
 
     engine = TransformersEngine(trained["model"], trained["spec"], seed=5)
     engine.load_adapter(3, *export_lora(trained["learner"].model, "fp32"))
+    assert len(engine.tokenizer) == TOKENIZER_IDS
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     out = engine.generate(prompts, GROUP, SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW))
     return [(p, s.token_ids, s.logprobs) for p, group in zip(prompts, out) for s in group]
 
 
 def teacher_forced(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    """Log-probs over the tokenizer's ids (TOKENIZER_IDS): the swarm's engines never sample the model's padded
+    embedding rows (client/engine.py), so a stock loader's softmax is compared with those rows left out."""
     import torch
 
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1, :TOKENIZER_IDS].float()
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1).tolist()
 
 
@@ -193,9 +198,11 @@ def _vllm_driver(request_path: str, result_path: str) -> None:
 
     req = json.loads(Path(request_path).read_text())
     llm = LLM(model=req["model"], dtype="float32", enable_lora=True, max_lora_rank=max(8, req["r"]), max_loras=1,
+              max_logprobs=-1,
               max_model_len=128, kv_cache_memory_bytes=64 << 20, enforce_eager=True, seed=0)
     lora = LoRARequest("exported", 1, req["adapter"])
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+    rows = llm.llm_engine.model_config.get_vocab_size()  # every id's prompt logprob: renormalised over the
+    params = SamplingParams(max_tokens=1, prompt_logprobs=rows, temperature=1.0, detokenize=False)  # tokenizer's
     inputs = [{"prompt_token_ids": p + t} for p, t in req["sequences"]]
     runs = []
     for with_adapter in (lora, None):
@@ -203,7 +210,9 @@ def _vllm_driver(request_path: str, result_path: str) -> None:
         per = []
         for (p, t), o in zip(req["sequences"], outs):
             seq = p + t
-            per.append([o.prompt_logprobs[i][seq[i]].logprob for i in range(len(p), len(seq))])
+            per.append([o.prompt_logprobs[i][seq[i]].logprob
+                        - math.log(sum(math.exp(lp.logprob) for tok, lp in o.prompt_logprobs[i].items()
+                                       if tok < TOKENIZER_IDS)) for i in range(len(p), len(seq))])
         runs.append(per)
     llm.llm_engine.engine_core.shutdown()
     Path(result_path).write_text(json.dumps([list(x) for x in zip(*runs)]))

@@ -169,7 +169,7 @@ def test_an_unscorable_completion_drops_its_group_without_blame(tokenizer, tmp_p
             raise tasks.Unscorable("verifier timed out")
         return 1.0
 
-    monkeypatch.setitem(tasks.REWARDS, "repeat", flaky)
+    monkeypatch.setitem(tasks.REWARDS, "repeat", tasks.simple_reward(flaky))
     leases = board.lease(ALICE.public_key, 2)
     good = sealed(ingest, tokenizer, leases[:1], letters=("aaaa",), reward=1.0)
     groups = messages.decode(envelope.open_envelope(good, max_bytes=1 << 20, expected_kind="rollout_batch",

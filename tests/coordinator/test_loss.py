@@ -309,3 +309,54 @@ def test_overlong_config_validation():
     with pytest.raises(ValueError):
         LossConfig(overlong_factor=-1.0).validate()
     LossConfig(max_completion_length=1024, overlong_buffer=256, mask_truncated=True).validate()
+
+
+class HostReads(torch.Tensor):
+    """A tensor that counts every read to the host (item, tolist, float/int/bool) of itself or of anything
+    computed from it: on a GPU each is a device sync."""
+
+    names: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__"):
+            HostReads.names.append(func.__name__)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_loss_statistics_reach_the_host_once_per_step_not_per_micro_batch():
+    """LossTotals sums micro-batches on the device; the step's statistics are read to the host once, and equal
+    the same statistics summed from each micro-batch read alone."""
+    from asyncrl.coordinator.loss import LossTotals, policy_terms
+
+    cfg = LossConfig(correction="decoupled", beta=0.0)
+    gen = torch.Generator().manual_seed(0)
+    parts = []
+    for _ in range(3):
+        logps = -torch.rand(4, 6, generator=gen)
+        mu = logps + 0.3 * torch.randn(4, 6, generator=gen)
+        adv = torch.randn(4, generator=gen)
+        mask = (torch.rand(4, 6, generator=gen) > 0.2).float()
+        parts.append((logps, mu, adv, mask))
+    HostReads.names = []
+    totals = LossTotals()
+    for logps, mu, adv, mask in parts:
+        wrap = [t.clone().as_subclass(HostReads) for t in (logps, mu, adv, mask)]
+        terms = policy_terms(*wrap, cfg)
+        totals.add(terms.per_token.sum(), terms, wrap[2], wrap[3], cfg, entropy=-wrap[0])
+    assert HostReads.names == []  # three micro-batches added, nothing read
+    stats = totals.stats()
+    assert len(HostReads.names) == 1  # one read for the whole step
+    totals.stats(), totals.sums, totals.ratio_max
+    assert len(HostReads.names) == 1  # read once, then cached
+    separate = []
+    for logps, mu, adv, mask in parts:
+        one = LossTotals()
+        terms = policy_terms(logps, mu, adv, mask, cfg)
+        one.add(terms.per_token.sum(), terms, adv, mask, cfg, entropy=-logps)
+        separate.append(one)
+    tokens = sum(o.sums["tokens"] for o in separate)
+    assert stats.ratio_mean == pytest.approx(sum(o.sums["ratio"] for o in separate) / tokens, rel=1e-9)
+    assert stats.ratio_max == max(o.ratio_max for o in separate)
+    assert stats.ratio_min == min(o.ratio_min for o in separate)
+    assert stats.entropy_mean == pytest.approx(sum(o.sums["entropy"] for o in separate) / tokens, rel=1e-9)

@@ -114,9 +114,9 @@ def test_full_batch_step_equals_plain_autograd_over_full_logits(tiny_path, loss_
     lr = learner(tiny_path, cfg, micro_batch_tokens=24)
     batch = lr._collate(groups(1))
     with torch.no_grad(), lr.model.disable_adapter():
-        ref = naive(lr.model, batch)
+        ref = naive(lr.model, batch, len(lr.tokenizer))
     adv = group_advantages(batch["rewards"], batch["group_ids"], cfg.scale_rewards)
-    stats = grpo_loss(naive(lr.model, batch), batch["sampling_logps"], adv, batch["mask"], cfg, ref_logps=ref)
+    stats = grpo_loss(naive(lr.model, batch, len(lr.tokenizer)), batch["sampling_logps"], adv, batch["mask"], cfg, ref_logps=ref)
     stats.loss.backward()
     expected = grads(lr)
     lr.step(groups(1))
@@ -124,9 +124,10 @@ def test_full_batch_step_equals_plain_autograd_over_full_logits(tiny_path, loss_
     assert lr.steps == 1
 
 
-def naive(model, batch):
-    """Full-vocabulary fp32 log-softmax over every position (what the learner avoids), completion-aligned."""
-    logits = model(input_ids=batch["ids"], attention_mask=batch["attn"]).logits.float()
+def naive(model, batch, limit=None):
+    """Full-vocabulary fp32 log-softmax over every position (what the learner avoids), completion-aligned;
+    over the tokenizer's `limit` ids (the engines never sample the padded rows: models/logprobs.py)."""
+    logits = model(input_ids=batch["ids"], attention_mask=batch["attn"]).logits.float()[..., :limit]
     logp = torch.log_softmax(logits / batch["temps"].view(-1, 1, 1), dim=-1)
     out = torch.zeros_like(batch["mask"])
     for i in range(batch["ids"].shape[0]):

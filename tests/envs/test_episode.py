@@ -175,3 +175,17 @@ def test_a_volunteer_without_the_pinned_environment_is_told_how_to_install_it():
     missing = {"name": "no-such-env", "package": "asyncrl-envs-extra", "version": "1.2"}
     assert envs.check_pin(missing) == (envs.check_pin(missing)[0], "pip install 'asyncrl-envs-extra==1.2'")
     assert "not installed" in envs.check_pin(missing)[0]
+
+
+def test_a_template_without_tools_gets_qwens_tool_block(qwen, tiny):
+    """Qwen's template renders `tools=` itself; for one that ignores it (SmolLM2's ChatML) the renderer writes
+    the very same block into the system turn."""
+    from asyncrl.envs.render import tool_system_text
+
+    env = envs.get_env("calculator")
+    opened = env.reset(RECORD, 1)
+    system = opened.messages[0]["content"]
+    assert tool_system_text(system, opened.tools) in envs.Renderer(qwen).prompt_text(opened.messages, opened.tools)
+    chatml = tinymodel.build_tokenizer(instruct=True)  # a ChatML template that ignores tools
+    rendered = envs.Renderer(chatml).prompt_text(opened.messages, opened.tools)
+    assert rendered.startswith("<|im_start|>system " + tool_system_text(system, opened.tools))

@@ -56,6 +56,10 @@ def test_two_volunteers_train_the_tiny_model(procs, tmp_path):
         wait_for(lambda: _trained_by_both(run, tmp_path), 400, "12 steps with a trained batch from each volunteer")
     except AssertionError as exc:
         pytest.fail(f"{exc}:\n" + _tail(coord.log_path) + "\n" + "\n".join(_tail(c.log_path) for c in clients))
+    # every version each volunteer loaded passed its adapter canary (models/canary.py), and the swarm table says so
+    with urllib.request.urlopen(url + "api/status", timeout=30) as resp:
+        swarm = {v["name"]: v.get("canary", "") for v in json.loads(resp.read())["volunteers"]}
+    assert set(swarm) == {"vol-0", "vol-1"} and all(c.endswith(" ok") for c in swarm.values()), swarm
     coord.send_signal(signal.SIGTERM)  # the operator stops it: final checkpoint + summary.json
     assert coord.wait(120) == 0, _tail(coord.log_path)
     for c in clients:
@@ -73,6 +77,8 @@ def test_two_volunteers_train_the_tiny_model(procs, tmp_path):
     for i in range(2):
         status = json.loads((tmp_path / f"c{i}" / "status.json").read_text())
         assert len(set(status["versions_loaded"])) >= 2, status
+        assert status["canary_failures"] == 0 and status["canary"]["passed"], status
+        assert status["canary"]["version"] == status["versions_loaded"][-1], status
         assert status["batches_acked"] >= 1
     # the board's books balance: nothing leased vanished
     leases = summary["leases"]

@@ -56,7 +56,7 @@ def test_nan_counts_as_none_and_batch_values_are_not_clamped(registry):
 
 
 def test_simple_rewards_keep_their_clamp_inside_a_weighted_sum(registry):
-    registry("wild", lambda completion, answer: 7.0 if completion == answer else float("nan"))
+    registry("wild", rewards.simple_reward(lambda completion, answer: 7.0 if completion == answer else float("nan")))
     registry("bonus", Recorder([0.25, 0.25]))
     got = score_group(Prompt("p", "q", "x", "2.0*wild+bonus", columns("q", answer="x")), ["x", "y"], [[1], [2]])
     assert got.rewards == [2.0 * 1.0 + 0.25, 2.0 * 0.0 + 0.25]
@@ -86,24 +86,84 @@ def test_conversational_prompts_get_message_completions_with_a_prefilled_turn(re
     assert rec.calls[1]["completions"][0] == [{"role": "assistant", "content": "Answer: yo"}]  # TRL's bootstrap
 
 
-def test_shape_is_detected_from_the_signature_or_an_explicit_mark():
+def test_every_function_is_trl_form_unless_declared_simple():
     def trl(completions, **kwargs):
         return [1.0] * len(completions)
+
+    def ids_only(completion_ids, **kwargs):  # TRL's Example 1: no `completions` parameter, still TRL's form
+        return [float(len(ids)) for ids in completion_ids]
 
     def plain(completion, answer):
         return 1.0
 
-    def loose(*args, **kwargs):
-        return 1.0
+    assert reward_shape(trl) == reward_shape(ids_only) == reward_shape(plain) == "trl"
+    assert reward_shape(rewards.simple_reward(plain)) == "simple"
+    assert reward_shape(Recorder([])) == "trl"
+    assert {reward_shape(tasks.get_reward(n)) for n in ("exact", "math", "repeat")} == {"simple"}
+    ok = Prompt("p", "q", "", "ids", columns("q"))
+    rewards.REWARDS["ids"] = ids_only
+    try:
+        assert score_group(ok, ["ab", "c"], [[1, 2], [3]]).rewards == [2.0, 1.0]
+    finally:
+        del rewards.REWARDS["ids"]
 
-    assert reward_shape(trl) == "batch" and reward_shape(plain) == "simple" and reward_shape(loose) == "simple"
-    assert reward_shape(rewards.batch_reward(loose)) == "batch"
-    assert reward_shape(Recorder([])) == "batch"  # a callable object: its __call__ signature
 
-    async def coro(completions, **kwargs):
-        return []
-    with pytest.raises(RewardError):
-        reward_shape(coro)
+class FakeRewardModel:
+    """Stands for TRL's reward-model form: a torch module, not a function."""
+
+
+@pytest.mark.parametrize("fn, columns, parameter", [
+    (lambda completion, answer: 1.0, ["answer"], "'completion'"),                   # undeclared simple form
+    (lambda completions, environments, **kw: [], ["answer"], "'environments'"),
+    (lambda completions, difficulty, **kw: [], ["answer"], "'difficulty'"),          # not a column of the record
+    (lambda completions, /, **kw: [], ["answer"], "'completions'"),                  # positional-only
+])
+def test_a_function_asyncrl_cannot_call_is_refused_naming_the_parameter(fn, columns, parameter):
+    with pytest.raises(RewardError, match=parameter):
+        rewards.check_reward("r", fn, columns)
+
+
+def test_reward_models_are_refused():
+    import torch
+
+    with pytest.raises(RewardError, match="reward models are not supported"):
+        rewards.check_reward("rm", torch.nn.Linear(2, 1), ["answer"])
+    with pytest.raises(RewardError, match="not supported"):
+        rewards.check_reward("rm", "OpenAssistant/reward-model-deberta-v3-large-v2", ["answer"])
+
+
+def test_the_simple_form_declared_and_columns_named_as_keywords_are_accepted():
+    assert rewards.check_reward("s", rewards.simple_reward(lambda completion, answer: 1.0), []) == "simple"
+    assert rewards.check_reward("c", lambda completions, difficulty, trainer_state, **kw: [], ["difficulty"]) == "trl"
+    with pytest.raises(RewardError, match="fn.completion, answer."):
+        rewards.check_reward("s", rewards.simple_reward(lambda completions: 1.0), [])
+
+
+def test_async_rewards_are_awaited_and_trainer_state_is_the_sampled_version(registry):
+    import asyncio
+
+    seen = {}
+
+    async def slow(prompts, completions, trainer_state, log_extra=None, log_metric=None, **kwargs):
+        await asyncio.sleep(0)
+        seen["step"] = trainer_state.global_step
+        log_extra("col", [1] * len(completions))  # TRL's logging callables exist and may be called
+        log_metric("m", 1.0)
+        return [1.0 if c else 0.0 for c in completions]
+
+    registry("slow", slow)
+    got = score_group(Prompt("p", "q", "", "slow", columns("q")), ["a", ""], [[1], []], version=7)
+    assert got.rewards == [1.0, 0.0] and seen["step"] == 7
+
+    async def inside_a_loop():  # a caller already inside an event loop (a hivemind handler) gets the same
+        return score_group(Prompt("p", "q", "", "slow", columns("q")), ["a", ""], [[1], []], version=3)
+    assert asyncio.run(inside_a_loop()).rewards == [1.0, 0.0] and seen["step"] == 3
+
+
+def test_trainer_state_beyond_global_step_is_a_clear_error(registry):
+    registry("curriculum", lambda completions, trainer_state, **kw: [trainer_state.max_steps] * len(completions))
+    with pytest.raises(AttributeError, match="only global_step"):
+        score_group(Prompt("p", "q", "", "curriculum", columns("q")), ["a"], [[1]])
 
 
 def test_a_reward_without_var_kwargs_gets_only_the_columns_it_names(registry):

@@ -1,0 +1,4 @@
+# TRL docs, Example 1.1: Reward longer completions (based on the number of characters) (verbatim)
+def reward_func(completions, **kwargs):
+    """Reward function that assigns higher scores to longer completions (in terms of character count)."""
+    return [float(len(completion)) for completion in completions]
