@@ -115,8 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--task-eval-size", type=int, help=f"reasoning_gym: evaluation problems (default {d.task_eval_size})")
     ckpt.add_argument("--task-eval-seed", type=int, help="reasoning_gym: the evaluation split's seed (default: data "
                                                          "seed + 1,000,000,007; -1 = that default)")
-    ckpt.add_argument("--task-extractor", choices=["answer_tags", "raw"],
-                      help="reasoning_gym: read the answer from <answer> tags (default) or the whole completion")
+    ckpt.add_argument("--task-extractor", choices=["answer_tags", "last_number", "raw"],
+                      help="reasoning_gym: read the answer from <answer> tags (default), the last number, or the "
+                           "whole completion")
     ckpt.add_argument("--oversized-records", choices=["error", "skip"],
                       help="a record too long for the model's context minus --max-new-tokens: stop (default) "
                            "or skip and count it")
