@@ -151,7 +151,8 @@ class CoordinatorConfig:
     the training split's. None = task_data_seed + 1,000,000,007."""
     task_extractor: str = "answer_tags"
     """reasoning_gym: tasks: how the answer is read from a completion: answer_tags (the last
-    <answer>...</answer>, reasoning-gym's convention) or raw (the whole stripped completion)."""
+    <answer>...</answer>, reasoning-gym's convention), last_number (the last number in the completion) or
+    raw (the whole stripped completion)."""
     oversized_records: Literal["error", "skip"] = "error"
     """A record whose prompt does not leave max_new_tokens of the model's context (or whose columns are
     too big for a lease) stops the start naming it ("error"), or is left out and counted ("skip")."""
