@@ -1,7 +1,8 @@
 """Every coordinator config in the guides starts as written: parsed and resolved exactly as `run --config`
 does, then its task opened through the coordinator's own start-up path (coordinator/preflight.py
 `open_task`). Only what cannot exist offline is replaced: a hub dataset by a local JSONL the test writes in
-that dataset's format, the hub model by a random one with Qwen2.5-0.5B's context, built in code."""
+that dataset's format, the hub model by Qwen's real tokenizer and chat template (tests/realshape.py, fetched by
+`make`) with a model config of Qwen2.5-0.5B's context, built in code."""
 
 from __future__ import annotations
 
