@@ -2,9 +2,10 @@
 completions from a random model with the real Qwen tokenizer, its chat template and its 151,669-token
 vocabulary (tests/realshape.py; built in code, loaded from its directory), for a conversational JSONL task
 scored by a TRL-style batch reward plus a second, weighted one (a real package registered through the
-`asyncrl.rewards` entry points, on the coordinator and the volunteers); the micro-batched learner trains on them; the reward log, the lease books and the summary agree. One volunteer
-sends two batches, the other one: the swarm test of a vLLM volunteer (what tests/integration/
-test_vllm_volunteer.py did on the tiny model) is this one, so CI starts no third vLLM volunteer.
+`asyncrl.rewards` entry points, on the coordinator and the volunteers); the micro-batched learner trains on
+them; the reward log, the lease books and the summary agree. One volunteer sends two batches, the other
+one: the swarm test of a vLLM volunteer (what tests/integration/test_vllm_volunteer.py did on the tiny
+model) is this one, so CI starts no third vLLM volunteer.
 
 Needs vllm and the fetched Qwen tokenizer (`make qwen-tokenizer`): with CI=true a missing one fails the test;
 elsewhere it skips (tests/conftest.py, tests/qwen_tokenizer.py).
