@@ -7,7 +7,10 @@ the coordinator has done `--steps` optimizer steps stops the volunteers, prints 
 and writes `<run_dir>/reward.png` (+ `--json-out`).
 
     asyncrl demo --clients 2 --json-out runs/demo.json            # refuses a non-empty --run-dir ...
-    asyncrl demo --clients 2 --run-dir runs/demo --overwrite       # ... unless told to replace it
+    asyncrl demo --clients 2 --run-dir runs/demo --overwrite       # ... unless told to replace an earlier demo
+
+--overwrite deletes only a directory an earlier demo created (its `.asyncrl-demo` marker) whose
+coordinator.key, if any, is the one that demo's coordinator wrote — never a real run's directory or key.
 
 Process hygiene (DemoProcesses): each child runs in its own session, so its process group (pgid == its
 pid) holds it and everything it starts — the hivemind DHT fork and p2pd. The demo owns those groups and
@@ -44,15 +47,51 @@ class RunDirInUse(Exception):
     """`--run-dir` holds an earlier run and `--overwrite` was not given."""
 
 
+MARKER = ".asyncrl-demo"
+"""Written by the demo into a run directory it created: {"coordinator_key_sha256": the key its coordinator
+wrote there, or null before it did}. --overwrite deletes only a directory with this marker whose
+coordinator.key (if any) is the one recorded: never a real run's directory or key."""
+
+
 def prepare_run_dir(run: Path, *, overwrite: bool) -> None:
-    """An empty run directory, never by deleting someone's run unasked."""
+    """An empty run directory of the demo's own, never by deleting anything the demo did not create."""
     if run.exists() and not run.is_dir():
         raise RunDirInUse(f"{run} exists and is not a directory")
     if run.exists() and any(run.iterdir()):
         if not overwrite:
             raise RunDirInUse(f"{run} already holds a run; pass --overwrite to replace it, or choose another --run-dir")
+        problem = _not_ours(run)
+        if problem:
+            raise RunDirInUse(f"{run} {problem}: --overwrite deletes only a directory an earlier demo created; "
+                              "choose another --run-dir (or delete it yourself)")
         shutil.rmtree(run)
     run.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(run / MARKER, {"coordinator_key_sha256": None})
+
+
+def _not_ours(run: Path) -> str | None:
+    """Why `run` is not a directory this demo may delete, or None."""
+    try:
+        marker = json.loads((run / MARKER).read_text())
+    except (OSError, ValueError):
+        return "was not created by the demo"
+    key = run / "coordinator.key"
+    if key.exists() and marker.get("coordinator_key_sha256") != _sha256(key):
+        return "holds a coordinator key the demo did not write"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def record_coordinator_key(run: Path) -> None:
+    """After the demo's coordinator wrote its key: remember it, so --overwrite knows the key is the demo's."""
+    key = run / "coordinator.key"
+    if key.exists():
+        write_json_atomic(run / MARKER, {"coordinator_key_sha256": _sha256(key)})
 
 
 class Interrupted:
@@ -202,6 +241,7 @@ def _drive(kids: DemoProcesses, run: Path, *, clients: int, steps: int, t0: floa
             return True
         time.sleep(0.2)
     address = join.read_text().strip()
+    record_coordinator_key(run)  # its key is in the run dir by now (written before it serves)
     print(f"coordinator up at {address}", flush=True)
     for i in range(clients):
         kids.spawn([py, "-m", "asyncrl.client.cli", "join", address, "--name", f"volunteer-{i}",

@@ -163,7 +163,7 @@ def run_generation_and_audit(result: dict, shape: str, ctx: dict, budget: Budget
     engine.load_adapter(1, specs, blobs)
     prompts_n, group, prompt_len, new = (2, 2, 6, 8) if smoke else (8, 8, 256, 256)
     rng = random.Random(3)
-    vocab = engine.vocab_size
+    vocab = min(engine.vocab_size, len(engine.tokenizer))  # ids the tokenizer has
     sampling = SamplingParams(temperature=1.0, max_new_tokens=new)
     deadline = budget.share("generation")
     batches, seconds, tokens, rounds = [], 0.0, 0, 0

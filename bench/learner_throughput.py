@@ -28,7 +28,8 @@ vocab per completion token: forward, recompute, gradient — models/logprobs.py 
 tokens). Checkpointing's recompute is not counted (model FLOPs, not hardware FLOPs).
 
 `--shape qwen2.5-1.5b` / `qwen2.5-7b` write a randomly initialised model with those shapes (from the config,
-on the GPU when there is one) to a temp dir once and load it through the same `from_pretrained` path as any
+on the GPU when there is one) and a stand-in tokenizer with Qwen2.5's 151,665 ids (the softmax spans the
+tokenizer's ids, so the head is measured at its real width) to a temp dir once and load it through the same `from_pretrained` path as any
 model. bench/device_check.py runs both shapes through `learner_side` / `bare_side`.
 """
 
@@ -79,7 +80,7 @@ def model_path(shape: str, device: str = "cpu") -> str:
 
     if shape in ("tiny", "smoke"):
         return str(tinymodel.write_tiny_model(tinymodel.default_tiny_model_dir()))
-    path = Path(os.environ.get("ASYNCRL_BENCH_DIR", tempfile.gettempdir())) / f"asyncrl-{shape}-shaped"
+    path = Path(os.environ.get("ASYNCRL_BENCH_DIR", tempfile.gettempdir())) / f"asyncrl-{shape}-shaped-v2"
     if (path / "config.json").exists():
         return str(path)
     import torch
@@ -90,10 +91,26 @@ def model_path(shape: str, device: str = "cpu") -> str:
     with torch.device(device if str(device).startswith("cuda") else "cpu"):  # random init is fast on a GPU
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)
-    tinymodel.build_tokenizer().save_pretrained(path)  # only pad/eos ids are used; token ids are random
+    shaped_tokenizer(QWEN_TOKENS).save_pretrained(path)
     del model
     free_memory()
     return str(path)
+
+
+QWEN_TOKENS = 151_665  # Qwen2.5's tokenizer; its embedding is padded to 151,936 (1.5B) / 152,064 (7B) rows
+
+
+def shaped_tokenizer(n_tokens: int):
+    """A tokenizer with `n_tokens` ids (id 0 is eos and pad) and nothing else real: the learner's and the
+    engine's softmax run over len(tokenizer) ids (models/logprobs.py `vocab_limit`), so a Qwen-shaped model
+    needs Qwen's token count, or the head it measures would be a few dozen rows wide."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<|endoftext|>": 0, **{f"<t{i}>": i for i in range(1, n_tokens)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                   padding_side="left")
 
 
 def step_flops(cfg, rows) -> dict[str, float]:
@@ -301,9 +318,10 @@ def compare(shape: str, *, device: str, dtype, steps: int, batches: int, seed: i
     spec = SHAPES[shape]
     mbt = micro_batch_tokens or spec["micro_batch_tokens"]
     path = model_path(shape, device)
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoTokenizer
 
-    vocab = AutoConfig.from_pretrained(path).vocab_size
+    # token ids the engines can sample (the softmax covers len(tokenizer) ids; the embedding may be padded)
+    vocab = min(AutoConfig.from_pretrained(path).vocab_size, len(AutoTokenizer.from_pretrained(path)))
     fixed = make_batches(batches, spec, vocab, seed)
     deadline = deadline or time.time() + 1e9
     half = time.time() + (deadline - time.time()) / 2

@@ -1,12 +1,14 @@
 """A real pretrained model learns a real task: the swarm against one process, same model, task and budget.
 
 Owned here: the real-model benchmark of issue 44 (docs/real-model.md). With no flags it trains
-SmolLM2-135M-Instruct on reasoning-gym `chain_sum` (two-term sums of 1-2 digit numbers) and:
+SmolLM2-135M-Instruct on reasoning-gym `basic_arithmetic` restricted to two-term sums of 1-2 digit
+numbers ("Calculate 24 + 84."; `chain_sum` adds differences with negative results, which the 135M model
+got wrong in every greedy try here), scored on the last number of the completion, and:
 
  1. evaluates the base (greedy, the first `--n-eval` problems of the task's evaluation split);
  2. **swarm** arm: a real `asyncrl-coordinator run` and `--volunteers` `asyncrl-client join` processes on
-    this machine, until `--steps` optimizer steps or `--wall-budget-s`; a checkpoint every `--eval-every`
-    steps, each evaluated afterwards by `asyncrl-coordinator eval`'s code (the exported adapter loaded with
+    this machine, until `--steps` optimizer steps or `--wall-budget-s`; the checkpoints of every
+    `--eval-every`-th step and the last are evaluated afterwards by `asyncrl-coordinator eval`'s code (the exported adapter loaded with
     stock transformers + peft);
  3. **local** arm: one process, the project's own `Learner` and `TransformersEngine`, generating then
     training in turn (no network, no signing, no audit, no leases), same hyperparameters and budget; its
@@ -14,8 +16,9 @@ SmolLM2-135M-Instruct on reasoning-gym `chain_sum` (two-term sums of 1-2 digit n
     code on the engine's model). Evaluating after the arm ends keeps evaluation off both arms' clocks.
 
 The arms run one after the other, or with `--concurrent` at the same time (the local arm in a child
-process), so that on a shared machine both see the same background load; then give both arms the same
-number of threads in total (under oversubscription a thread's share of the CPU is what it gets). The base
+process), so that on a shared machine both see the same background load. Threads default to 1 per
+process: on an oversubscribed machine a multi-threaded torch op waits at its barrier for a descheduled
+thread, which made a 2-thread process many times slower than a 1-thread one here. The base
 and every checkpoint are evaluated after both arms have stopped training.
 
 Each arm's clock starts when its first process starts (model loading included) and its curve is
@@ -29,7 +32,8 @@ export_check (the swarm's last checkpoint scored by stock loading and by the in-
 within one problem). A PNG plots both curves.
 
     .venv/bin/python bench/real_model.py --json-out runs/bench/real_model.json --png-out docs/img/real_model.png
-    .venv/bin/python bench/real_model.py --model tiny --task-param max_digits=1 --steps 3 --n-eval 8 \\
+    .venv/bin/python bench/real_model.py --model tiny --task reasoning_gym:chain_sum --task-param max_digits=1 \\
+        --task-param min_terms=2 --task-param max_terms=2 --steps 3 --n-eval 8 \\
         --wall-budget-s 300 --eval-every 1 --group-size 2 --groups-per-step 2 --max-new-tokens 8   # a smoke run
 """
 
@@ -50,7 +54,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # run as a script: bench.* imports
 from bench.straggler import spawn, stop  # their own sessions; SIGTERM, then SIGKILL after a grace
 
-DEFAULT_PARAMS = ("min_terms=2", "max_terms=2", "min_digits=1", "max_digits=2")
+DEFAULT_TASK = "reasoning_gym:basic_arithmetic"
+DEFAULT_PARAMS = ("min_terms=2", "max_terms=2", "min_digits=1", "max_digits=2", 'operators=["+"]',
+                  "allow_negation=false", "allow_parentheses=false")  # two-term sums of 1-2 digit numbers
 
 
 def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -83,7 +89,7 @@ def make_config(a, run_dir: Path):
 
 def coordinator_overrides(a, run_dir: Path) -> dict:
     return {"model": a.model, "run_dir": str(run_dir), "task": a.task, "task_params": tuple(a.task_param),
-            "task_system_prompt": a.system_prompt, "task_eval_size": max(a.n_eval, 200), "seed": a.seed,
+            "task_system_prompt": a.system_prompt, "task_extractor": a.extractor, "task_eval_size": max(a.n_eval, 200), "seed": a.seed,
             "lr": a.lr, "lora_r": a.lora_r, "group_size": a.group_size, "groups_per_step": a.groups_per_step,
             "min_groups": a.groups_per_step, "max_new_tokens": a.max_new_tokens, "max_steps": a.steps,
             "temperature": 1.0}
@@ -134,9 +140,9 @@ def swarm_arm(a, cfg, run_dir: Path) -> dict:
              "--group-size", str(a.group_size), "--groups-per-step", str(a.groups_per_step),
              "--min-groups", str(a.groups_per_step), "--max-new-tokens", str(a.max_new_tokens),
              "--prompts-per-lease", str(max(1, a.groups_per_step // a.volunteers)),
-             "--checkpoint-every", str(a.eval_every), "--keep-checkpoints", "100000", "--no-dashboard",
+             "--checkpoint-every", "1", "--keep-checkpoints", "100000", "--no-dashboard",
              "--threads", str(a.coordinator_threads), "--task-system-prompt", a.system_prompt,
-             "--task-eval-size", str(max(a.n_eval, 200)), "--port", "0"]
+             "--task-eval-size", str(max(a.n_eval, 200)), "--task-extractor", a.extractor, "--port", "0"]
     for p in a.task_param:
         flags += ["--task-param", p]
     t0 = time.time()
@@ -183,14 +189,16 @@ def swarm_arm(a, cfg, run_dir: Path) -> dict:
 
 
 def swarm_curve(a, run_dir: Path, info: dict) -> list[dict]:
-    """Every retained checkpoint, evaluated by `asyncrl-coordinator eval`'s code (stock transformers + peft)."""
+    """Checkpoints every `eval_every` steps and the last, evaluated by `asyncrl-coordinator eval`'s code (stock
+    transformers + peft). The coordinator checkpoints every step, so a stop in the middle of a long step still
+    leaves the one before it."""
     from asyncrl.coordinator.evaluate import evaluate
 
     steps = sorted({int(json.loads((p / "meta.json").read_text())["step"])
                     for p in (run_dir / "checkpoints").glob("step-*") if (p / "meta.json").is_file()})
     curve = []
-    for step in steps:
-        if step == 0:
+    for step in steps:  # every eval_every-th step, and the last (a checkpoint is written after every step)
+        if step == 0 or (step % a.eval_every and step != steps[-1]):
             continue
         r = evaluate(run_dir, step=step, n=a.n_eval, batch_size=a.eval_batch, progress=False)
         t = info["step_t"].get(step)
@@ -328,11 +336,14 @@ def export_check(a, cfg, run_dir: Path, last: dict) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--task", default="reasoning_gym:chain_sum")
+    p.add_argument("--task", default=DEFAULT_TASK)
     p.add_argument("--task-param", action="append", default=None, metavar="KEY=VALUE",
                    help=f"generator parameters (default {' '.join(DEFAULT_PARAMS)})")
     p.add_argument("--system-prompt", default="reasoning_gym:direct",
                    help="task_system_prompt (reasoning-gym's 'direct': the answer alone, in <answer> tags)")
+    p.add_argument("--extractor", default="last_number", choices=["answer_tags", "last_number", "raw"],
+                   help="task_extractor: SmolLM2-135M never writes <answer> tags (greedy or sampled), so a tag-only "
+                        "reward is 0 for every sample and GRPO gets no signal; last_number reads its final number")
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per arm at most")
     p.add_argument("--wall-budget-s", type=float, default=1800, help="per arm")
     p.add_argument("--volunteers", type=int, default=2)
@@ -348,10 +359,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arms", default="swarm,local")
     p.add_argument("--concurrent", action="store_true",
                    help="run the two arms at the same time (the local arm in a child process), so both see the "
-                        "same background load on a shared machine; give both the same threads in total")
-    p.add_argument("--coordinator-threads", type=int, default=2)
+                        "same background load on a shared machine")
+    p.add_argument("--coordinator-threads", type=int, default=1)
     p.add_argument("--volunteer-threads", type=int, default=1)
-    p.add_argument("--local-threads", type=int, default=2)
+    p.add_argument("--local-threads", type=int, default=1)
+    p.add_argument("--eval-threads", type=int, default=1, help="torch threads of the evaluations")
     p.add_argument("--run-dir", default="runs/bench/real_model")
     p.add_argument("--json-out", default="runs/bench/real_model.json")
     p.add_argument("--png-out", default="runs/bench/real_model.png")
@@ -362,7 +374,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     a.task_param = a.task_param or list(DEFAULT_PARAMS)
+    import torch
+
     from bench.results import provenance, write_result
+
+    torch.set_num_threads(a.eval_threads)  # the local arm sets its own (local_arm)
 
     root = Path(a.run_dir)
     if a.local_only_out:  # the child of --concurrent: the local arm alone
@@ -377,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     out: dict = {"task": a.task, "task_params": a.task_param, "model": a.model, "seed": a.seed, "n_eval": a.n_eval,
                  "hyperparameters": {k: getattr(a, k) for k in ("lr", "lora_r", "group_size", "groups_per_step",
                                                                  "max_new_tokens", "steps", "wall_budget_s",
-                                                                 "volunteers", "system_prompt", "concurrent",
+                                                                 "volunteers", "system_prompt", "extractor", "concurrent",
                                                                  "coordinator_threads", "volunteer_threads",
                                                                  "local_threads")},
                  "curves": {"swarm": [], "local": []}, "steps": {}, "wall_s": {}, "tokens_generated": {},

@@ -58,9 +58,10 @@ def run_dir_of(args) -> Path:
     if args.run_dir:
         return Path(args.run_dir)
     if args.config:
-        from .config_file import load_toml, resolve_config
+        from .config_file import load_configs, resolve_config
 
-        return Path(resolve_config(load_toml(args.config), source=args.config).run_dir)
+        values, source = load_configs([args.config])
+        return Path(resolve_config(values, source=source).run_dir)
     return Path(CoordinatorConfig.run_dir)
 
 

@@ -29,8 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="asyncrl-coordinator", description="asyncrl coordinator: learner + publisher")
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="start the coordinator and train until --max-steps")
-    run.add_argument("--config", default=None, help="TOML config file (configs/coordinator.example.toml, model presets "
-                                                    "configs/qwen2.5-*.toml); flags win")
+    run.add_argument("--config", action="append", default=None,
+                     help="TOML config file (configs/coordinator.example.toml, model presets configs/qwen2.5-*.toml); "
+                          "several merge in order (a later file wins), flags win over all; TRL GRPOConfig names "
+                          "are accepted where they mean the same")
     run.add_argument("--dry-run", action="store_true", help="resolve and validate the config, print it as JSON, "
                                                             "start nothing (no model, no network)")
     run.add_argument("--model", default=d.model, help="HF model id, local directory or GGUF file; 'tiny' = built-in "
@@ -113,8 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--task-eval-size", type=int, help=f"reasoning_gym: evaluation problems (default {d.task_eval_size})")
     ckpt.add_argument("--task-eval-seed", type=int, help="reasoning_gym: the evaluation split's seed (default: data "
                                                          "seed + 1,000,000,007; -1 = that default)")
-    ckpt.add_argument("--task-extractor", choices=["answer_tags", "raw"],
-                      help="reasoning_gym: read the answer from <answer> tags (default) or the whole completion")
+    ckpt.add_argument("--task-extractor", choices=["answer_tags", "last_number", "raw"],
+                      help="reasoning_gym: read the answer from <answer> tags (default), the last number, or the "
+                           "whole completion")
     ckpt.add_argument("--oversized-records", choices=["error", "skip"],
                       help="a record too long for the model's context minus --max-new-tokens: stop (default) "
                            "or skip and count it")
@@ -200,14 +203,18 @@ def main(argv: list[str] | None = None) -> int:
         from .admin import main as admin_main
 
         return admin_main(args)
-    from .config import ConfigError
-    from .config_file import load_toml, overrides_from_args, resolve_config
+    from .config import TINY_MODELS, ConfigError
+    from .config_file import load_configs, overrides_from_args, resolve_config
     from .reporters import check_available
 
     try:
-        cfg = resolve_config(load_toml(args.config) if args.config else {}, overrides_from_args(args),
-                             source=args.config or "defaults")
+        file_values, source = load_configs(args.config or [])
+        cfg = resolve_config(file_values, overrides_from_args(args), source=source)
         check_available(cfg.report_to)
+        if args.task is None and "task" not in file_values and cfg.model not in TINY_MODELS:
+            raise ConfigError(f"no task given for {cfg.model}: the default task, {cfg.task!r}, is the tiny model's "
+                              "toy task (docs/toy-task.md); name your prompts with --task (data/train.jsonl, "
+                              "hf:<dataset>[:config][:split], reasoning_gym:<dataset>; docs/tasks.md)")
     except ConfigError as exc:
         print(f"asyncrl-coordinator: invalid config: {exc}", file=sys.stderr)
         return 2

@@ -2,7 +2,10 @@
 
 Precedence, lowest first: the dataclass defaults (coordinator/config.py) < the model's preset (the
 built-in tiny model's `config.TINY_PRESET`, smollm2-135m-instruct's `config.SMOLLM2_PRESET`) < the
-`--config` TOML file < command-line flags. Keys are the config's field names; `[loss]` is the nested `LossConfig` table.
+`--config` TOML files, in the order given (a later file's key wins; tables merge key by key) < command-line
+flags. TRL GRPOConfig key names are accepted where they mean the same (`GRPO_ALIASES`: learning_rate,
+num_generations, max_completion_length, beta, ...) and refused naming asyncrl's key where they do not
+(`GRPO_REFUSED`). Keys are the config's field names; `[loss]` is the nested `LossConfig` table.
 Every value is type-checked against the field's annotation and an unknown key is an error that names
 it (with the nearest known key), so a typo never silently runs with a default. TOML has no null:
 for fields that accept None (e.g. `max_staleness`) a negative number means None, as on the CLI.
@@ -36,7 +39,67 @@ from .config import ConfigError, CoordinatorConfig, model_preset
 EXAMPLE_PATH = "configs/coordinator.example.toml"
 
 
+# ---- TRL's GRPOConfig names ----------------------------------------------------------------------------
+GRPO_ALIASES = {
+    "learning_rate": "lr", "num_generations": "group_size", "max_completion_length": "max_new_tokens",
+    "lr_scheduler_type": "lr_scheduler", "output_dir": "run_dir", "save_steps": "checkpoint_every",
+    "save_total_limit": "keep_checkpoints", "num_completions_to_print": "log_completions_count",
+    "beta": "loss.beta", "epsilon": "loss.epsilon", "epsilon_high": "loss.epsilon_high",
+    "loss_type": "loss.loss_type", "scale_rewards": "loss.scale_rewards", "mask_truncated_completions":
+    "loss.mask_truncated",
+}
+"""TRL GRPOConfig keys accepted in a config file with the same meaning as the asyncrl key they name (`temperature`,
+`seed`, `max_steps`, `warmup_steps`, `reward_weights`, `report_to` have the same name in both)."""
+GRPO_REFUSED = {
+    "per_device_train_batch_size": "groups_per_step (prompts per optimizer step; each brings group_size completions)",
+    "gradient_accumulation_steps": "micro_batch_tokens (a step accumulates over as many micro-batches as it needs)",
+    "generation_batch_size": "prompts_per_lease (prompts per volunteer lease) and groups_per_step",
+    "steps_per_generation": "max_staleness (how many adapter versions old a batch may be)",
+    "num_iterations": "nothing: every batch is trained once (asynchronous GRPO; max_staleness bounds its age)",
+    "max_prompt_length": "oversized_records (a prompt must leave max_new_tokens of the model's context)",
+    "use_vllm": "the volunteers' engine: asyncrl-client join --engine vllm",
+    "vllm_mode": "the volunteers' engine: asyncrl-client join --engine vllm",
+    "top_p": "nothing yet: volunteers sample with temperature only (the learner's and the audit's log-probs "
+             "must be those of the distribution sampled; top-p/top-k/min-p/repetition penalty are not supported)",
+    "top_k": "nothing yet (see top_p)", "min_p": "nothing yet (see top_p)",
+    "repetition_penalty": "nothing yet (see top_p)",
+    "importance_sampling_level": "loss.correction (tis-token or tis-sequence)",
+    "log_completions": "log_completions_every (0 = never)",
+    "logging_steps": "nothing: metrics.jsonl has every step",
+}
+"""TRL GRPOConfig keys whose meaning differs here: refused, naming what asyncrl has instead."""
+
+
+def apply_grpo_aliases(values: dict[str, Any], source: str) -> dict[str, Any]:
+    """`values` with TRL GRPOConfig names renamed to asyncrl's (GRPO_ALIASES); a refused name (GRPO_REFUSED)
+    or a name given both ways is a ConfigError."""
+    out = copy.deepcopy(dict(values))
+    for trl_name, why in GRPO_REFUSED.items():
+        if trl_name in out:
+            raise ConfigError(f"{trl_name!r} in {source} is TRL's GRPOConfig name, which asyncrl does not take: "
+                              f"use {why}")
+    for trl_name, ours in GRPO_ALIASES.items():
+        if trl_name not in out:
+            continue
+        value = out.pop(trl_name)
+        table, _, key = ours.rpartition(".")
+        target = out.setdefault(table, {}) if table else out
+        if not isinstance(target, dict) or key in target:
+            raise ConfigError(f"{source} sets both {trl_name!r} (TRL's name) and {ours!r}: keep one")
+        target[key] = value
+    return out
+
+
 # ---- reading --------------------------------------------------------------------------------------
+def load_configs(paths) -> tuple[dict[str, Any], str]:
+    """Several TOML files merged in order (a later file's key wins, tables merged key by key), and the
+    name of the merged source for error messages."""
+    merged: dict[str, Any] = {}
+    for path in paths:
+        merged = _deep_merge(merged, apply_grpo_aliases(load_toml(path), str(path)))
+    return merged, " + ".join(map(str, paths)) or "defaults"
+
+
 def load_toml(path: str | Path) -> dict[str, Any]:
     import tomllib
 
@@ -53,7 +116,7 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 def resolve_config(file_values: dict[str, Any] | None, overrides: dict[str, Any] | None = None,
                    *, source: str = "config file") -> CoordinatorConfig:
     """defaults < file_values < overrides (None values in overrides mean "not given"), validated."""
-    file_values = copy.deepcopy(dict(file_values or {}))
+    file_values = apply_grpo_aliases(file_values or {}, source)
     overrides = _drop_none(overrides or {})
     # Check each layer on its own first, so an error names where the bad value came from...
     _coerce_table(CoordinatorConfig, file_values, prefix="", source=source)

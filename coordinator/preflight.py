@@ -65,7 +65,7 @@ def open_env_task(cfg, tokenizer, model_config):
     from asyncrl.tasks.sources import encode_prompt
 
     source = open_env_source(cfg.task, seed=cfg.seed, tokenizer=tokenizer)
-    longest = max(len(encode_prompt(tokenizer, source._prompt(i).text)) for i in range(min(len(source.records), 64)))
+    longest = max(len(encode_prompt(tokenizer, source._prompt(i).text)) for i in range(min(len(source.env_records), 64)))
     transcript = max(cfg.max_new_tokens, source.limits.max_total_tokens)
     if longest > prompt_budget(model_config, transcript):
         raise PreflightError(f"an opening of {longest} tokens + an episode of up to {transcript} tokens exceeds the "

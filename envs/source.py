@@ -50,12 +50,13 @@ class EnvSource(TaskSource):
         super().__init__()
         if not records:
             raise TaskSourceError(f"environment {name!r}: no records")
-        self.env, self.records, self.tokenizer, self.seed = name, records, tokenizer, seed
+        # env_records, not `records`: other task sources' `records` are leased Prompts (coordinator/service.py)
+        self.env, self.env_records, self.tokenizer, self.seed = name, records, tokenizer, seed
         self.name = f"env_{name}"
         self.limits = get_env(name).limits
 
     def _prompt(self, index: int) -> Prompt:
-        return episode_prompt(self.env, self.records[index % len(self.records)], f"{self.env}-{self.seed}-{index}",
+        return episode_prompt(self.env, self.env_records[index % len(self.env_records)], f"{self.env}-{self.seed}-{index}",
                               self.tokenizer)
 
 

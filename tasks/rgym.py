@@ -17,7 +17,9 @@ columns, so the reward rebuilds the dataset's own `score_answer` from the record
 the columns verbatim) — the same computation on both sides, with no state outside the record.
 
 Answer extraction follows reasoning-gym: the text of the last `<answer>...</answer>` (reasoning_gym.utils
-`extract_answer`; "answer_tags", the default), or the whole stripped completion ("raw"). The prompt gets
+`extract_answer`; "answer_tags", the default), the last number in the completion ("last_number": for a
+model too small to follow the tag instruction, whose tag-only reward would be 0 for every sample and so give
+GRPO no signal), or the whole stripped completion ("raw"). The prompt gets
 reasoning-gym's system prompt ("default" unless `task_system_prompt` names another as
 `reasoning_gym:<name>` or gives its own text), which tells a chat model to answer inside the tags.
 """
@@ -26,11 +28,13 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from dataclasses import dataclass, field
 
 PREFIX = "reasoning_gym:"
 REWARD = "reasoning_gym"
-EXTRACTORS = ("answer_tags", "raw")
+EXTRACTORS = ("answer_tags", "last_number", "raw")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 EVAL_SEED_OFFSET = 1_000_000_007  # the evaluation split's default seed: far from any train range
 
 
@@ -44,7 +48,7 @@ def _rg():
     try:
         import reasoning_gym
     except ImportError:
-        raise ImportError("reasoning_gym: tasks need the `reasoning-gym` package (pip install 'asyncrl[rgym]')") from None
+        raise ImportError("reasoning_gym: tasks need the `reasoning-gym` package (pip install 'reasoning-gym>=0.1.19')") from None
     return reasoning_gym
 
 
@@ -169,6 +173,9 @@ def _scorer(dataset: str, params_json: str):
 def extract(completion: str, extractor: str = "answer_tags") -> str | None:
     if extractor == "raw":
         return completion.strip()
+    if extractor == "last_number":
+        found = _NUMBER.findall(completion)
+        return found[-1].replace(",", "") if found else None
     if extractor != "answer_tags":
         raise ValueError(f"unknown extractor {extractor!r}")
     from reasoning_gym.utils import extract_answer

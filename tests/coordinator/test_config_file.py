@@ -179,3 +179,42 @@ def test_dry_run_resolves_a_preset_without_starting_anything(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "asyncrl.coordinator.cli", "run", "--config", str(PRESETS[1]),
                           "--dry-run", "--group-size", "1"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def test_trl_grpoconfig_names_are_aliases_where_the_meaning_is_the_same():
+    from asyncrl.coordinator.config_file import resolve_config
+
+    cfg = resolve_config({"learning_rate": 3e-6, "num_generations": 8, "max_completion_length": 256, "beta": 0.04,
+                          "loss_type": "dr_grpo", "temperature": 0.9}, source="trl.toml")
+    assert (cfg.lr, cfg.group_size, cfg.max_new_tokens, cfg.loss.beta, cfg.loss.loss_type, cfg.temperature) == \
+        (3e-6, 8, 256, 0.04, "dr_grpo", 0.9)
+    assert cfg.loss.max_completion_length == 256  # dr_grpo's normaliser follows it, as TRL's does
+
+
+@pytest.mark.parametrize("values, needle", [
+    ({"per_device_train_batch_size": 8}, "groups_per_step"),
+    ({"top_p": 0.9}, "not supported"),
+    ({"num_iterations": 2}, "trained once"),
+    ({"learning_rate": 1e-5, "lr": 2e-5}, "both 'learning_rate'"),
+])
+def test_trl_names_that_mean_something_else_are_refused_naming_the_asyncrl_key(values, needle):
+    from asyncrl.coordinator.config_file import resolve_config
+
+    with pytest.raises(ConfigError, match=needle):
+        resolve_config(values, source="trl.toml")
+
+
+def test_several_config_files_merge_in_order_and_flags_win(tmp_path, capsys):
+    import json
+
+    from asyncrl.coordinator import cli
+
+    (tmp_path / "a.toml").write_text('model = "tiny"\ngroup_size = 4\nlr = 1e-3\n[loss]\nbeta = 0.1\n')
+    (tmp_path / "b.toml").write_text('group_size = 6\n[loss]\nepsilon = 0.3\n')
+    assert cli.main(["run", "--dry-run", "--config", str(tmp_path / "a.toml"), "--config", str(tmp_path / "b.toml"),
+                     "--lr", "5e-4"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert (got["group_size"], got["lr"], got["loss"]["beta"], got["loss"]["epsilon"]) == (6, 5e-4, 0.1, 0.3)
+    (tmp_path / "c.toml").write_text('group_size = "six"\n')
+    assert cli.main(["run", "--dry-run", "--config", str(tmp_path / "a.toml"), "--config", str(tmp_path / "c.toml")]) == 2
+    assert "c.toml" in capsys.readouterr().err  # the error names the files it came from

@@ -177,3 +177,32 @@ def test_replay_time_reaches_the_metrics(tokenizer):
     metrics = RunStats(group_size=2)
     metrics.observe("step", {"step": 1, "reward_mean": 1.0, **episodes.replay_metrics()})
     assert metrics.steps[-1]["episode_replay_ms"] == ms
+
+
+class ModelConfig:
+    max_position_embeddings = 4096
+
+
+def test_an_environment_task_opens_for_the_coordinator(tokenizer, tmp_path):
+    """What the coordinator's start-up does with `--task env:calculator:<jsonl>` (preflight, the handshake's
+    reward packages and environment pin): an EnvSource of episode prompts."""
+    import json
+
+    from asyncrl.coordinator import preflight
+    from asyncrl.coordinator.config import CoordinatorConfig
+    from asyncrl.coordinator.service import task_reward_packages
+
+    path = tmp_path / "arith.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS * 3))
+    cfg = CoordinatorConfig(task=f"env:calculator:{path}", max_new_tokens=64)
+    source = preflight.open_task(cfg, tokenizer, ModelConfig())
+    prompt = next(source)
+    assert prompt.reward == "env:calculator" and json.loads(prompt.columns) == RECORDS[0]
+    task_reward_packages(source, cfg)
+    assert preflight.context_needed(source, 64) == 0
+    assert json.loads(episodes.environment_pin(cfg.task))["name"] == "calculator"
+    from asyncrl.tasks.sources import TaskSourceError
+
+    with pytest.raises(TaskSourceError) as err:
+        preflight.open_task(CoordinatorConfig(task="env:no-such-env", max_new_tokens=64), tokenizer, ModelConfig())
+    assert "no-such-env" in str(err.value)

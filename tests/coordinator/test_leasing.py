@@ -298,3 +298,26 @@ def test_a_proven_volunteer_is_never_put_behind_a_crowd_of_fresh_waiters(tokeniz
     clock.t += 2  # re-counted
     crowd_waits = [grant(desk, request(k, coordinator, 4)).retry_after_s for k in crowd]
     assert min(crowd_waits) > desk.policy.idle_retry_s  # the fresh keys are behind her
+
+
+def test_the_lease_replay_guard_is_written_with_the_trust_state_and_loaded_at_start(tokenizer, tmp_path):
+    """What a restart reads back (coordinator/trust_state.py): lease_replay.bin refuses a copy after the restart."""
+    from asyncrl.coordinator.ingest import Ingest
+    from asyncrl.coordinator.trust_state import TrustState
+
+    def hub(desk, board):
+        ingest = Ingest(identity_public_key=desk.audience, run_id=RUN, board=board, tokenizer=None, vocab_size=64,
+                        current_version=lambda: 0, max_batch_bytes=1 << 20, window_s=300.0)
+        return TrustState(tmp_path, ingest=ingest, lease_desk=desk, out=lambda *_: None)
+
+    desk, coordinator, board, _ = make_desk(tokenizer)
+    alice = Identity.generate()
+    sealed = request(alice, coordinator, 2)
+    assert len(grant(desk, sealed).leases) == 2
+    hub(desk, board).write()
+    restarted, _, board2, _ = make_desk(tokenizer)
+    restarted.audience = coordinator.public_key
+    hub(restarted, board2).load()
+    with pytest.raises(ProtocolError) as exc:
+        grant(restarted, sealed)
+    assert exc.value.code is RejectCode.NONCE_REUSED and board2.counts()["leased"] == 0

@@ -72,6 +72,10 @@ def test_reward_is_the_datasets_score_answer_on_the_answer_tag_text():
     assert got.rewards == [1.0, 0.0, 0.0, 1.0]  # tags required; the last tag counts
     raw = next(open_source("reasoning_gym:chain_sum", generator=opts(extractor="raw")))
     assert score_group(raw, [f" {raw.answer}\n"], [[1]]).rewards == [1.0]
+    last = next(open_source("reasoning_gym:chain_sum", generator=opts(extractor="last_number")))
+    wrong = str(int(last.answer) + 1)
+    assert score_group(last, [f"{wrong} and so the answer is {last.answer}.", f"{last.answer}, no: {wrong}",
+                              "no number"], [[1]] * 3).rewards == [1.0, 0.0, 0.0]
 
 
 def test_unknown_dataset_and_bad_parameters_fail_at_open():
