@@ -321,3 +321,20 @@ def test_the_lease_replay_guard_is_written_with_the_trust_state_and_loaded_at_st
     with pytest.raises(ProtocolError) as exc:
         grant(restarted, sealed)
     assert exc.value.code is RejectCode.NONCE_REUSED and board2.counts()["leased"] == 0
+
+
+def test_a_reward_that_raised_on_a_volunteer_reaches_the_operator_with_the_returned_leases(tokenizer):
+    desk, coordinator, board, ingest = make_desk(tokenizer)
+    seen = []
+    desk.on_reward_error = lambda client, error, leases: seen.append((client, error, leases))
+    alice = Identity.generate()
+    held = grant(desk, request(alice, coordinator, 2)).leases
+    back = messages.LeaseRequest(run_id=RUN, max_prompts=0, adapter_version=7, client_name="alice",
+                                 release=tuple(l.lease_id for l in held),
+                                 reward_error="reward 'acc' failed: TypeError: acc() missing 1 required argument")
+    assert grant(desk, envelope.seal(alice, "lease_request", messages.encode(back),
+                                     audience=coordinator.public_key)).leases == ()
+    assert seen == [("alice", "reward 'acc' failed: TypeError: acc() missing 1 required argument", len(held))]
+    assert board.counts()["returned"] == len(held)  # the prompts go to someone else now, not at expiry
+    quiet = grant(desk, request(alice, coordinator, 1))  # an ordinary request reports nothing
+    assert quiet.leases and len(seen) == 1
