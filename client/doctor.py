@@ -196,7 +196,8 @@ class Doctor:
         except Exception as exc:
             for rid in ("engine", "memory"):
                 self.rows[rid] = Check(rid, FAIL, f"the machine probe failed: {exc}", "reinstall asyncrl "
-                                       "(pip install -U asyncrl) in this Python environment")
+                                       "in this Python environment (the coordinator's wheel, or pip install -e . in a "
+                                       "clone at its commit: docs/gpu-swarm.md)")
             probe = {}
         else:
             self.rows["engine"] = _engine_row(probe["engine"], self.args.engine)
@@ -237,10 +238,11 @@ def _engine_row(engine: dict, requested: str) -> Check:
     chosen, reason = engine.get("chosen"), engine.get("reason", "")
     if not engine.get("ok"):
         if chosen == "vllm":
-            fix = ("install vLLM built for this machine's CUDA (pip install 'asyncrl[vllm]'), or use "
+            fix = ("install vLLM built for this machine's CUDA (pip install 'vllm>=0.10.2'), or use "
                    "--engine transformers (much slower)")
         else:
-            fix = "reinstall the dependencies: pip install -U asyncrl (torch first for GPU builds)"
+            fix = ("reinstall the dependencies: the coordinator's asyncrl wheel or pip install -e . in a clone "
+                   "(torch first for GPU builds: docs/gpu-swarm.md)")
         return Check("engine", FAIL, f"--engine {requested}: {chosen or 'none'} does not import: {engine.get('error')}",
                      fix)
     why = f" (vLLM not used: {reason})" if chosen == "transformers" and requested == "auto" else ""

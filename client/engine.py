@@ -186,7 +186,7 @@ def vllm_status() -> tuple[bool, str]:
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
-        return False, "vllm is not installed (pip install 'asyncrl[vllm]')"
+        return False, "vllm is not installed (pip install 'vllm>=0.10.2')"
     if not torch.cuda.is_available():
         return False, "no CUDA device visible"
     return True, "CUDA and vllm available"
@@ -261,7 +261,7 @@ def make_engine(kind: str, model: str, lora: LoraSpec, *, gpu_memory_utilization
             import importlib.util
 
             if importlib.util.find_spec("vllm") is None:
-                raise EngineUnavailable("--engine vllm: vllm is not installed (pip install 'asyncrl[vllm]')")
+                raise EngineUnavailable("--engine vllm: vllm is not installed (pip install 'vllm>=0.10.2')")
             too_old = vllm_too_old()
             if too_old:
                 raise EngineUnavailable(too_old)

@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--group-size", type=int, default=d.group_size)
     run.add_argument("--prompts-per-lease", type=int, default=d.prompts_per_lease)
     run.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    run.add_argument("--temperature", type=float,
+                     help=f"sampling temperature volunteers use and the learner scores under (default {d.temperature}); "
+                          "top-p/top-k/min-p/repetition penalty are not supported")
     run.add_argument("--lease-timeout-s", type=float, default=d.lease_timeout_s)
     run.add_argument("--lease-max-s", type=float, default=d.lease_max_s,
                      help="renewals keep a lease for at most this long after its grant (0 = no renewals)")

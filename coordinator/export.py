@@ -176,7 +176,20 @@ def export(run_dir: Path, out: Path, *, step: int | None = None, merge: bool = F
                   str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     (out / EXPORT_INFO).write_text(json.dumps(info, indent=2))
     (out / "README.md").write_text(_card(info, cfg, merge))
+    shareable(out)
     return ExportResult(out=out, step=info["step"], version=info["adapter_version"], merged=merge)
+
+
+def shareable(out: Path) -> None:
+    """Every file of an export readable as a normally created file is (0666 less the umask): safetensors
+    creates its files 0600, which another user, a web server or a container could not read."""
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in out.rglob("*"):
+        if path.is_file():
+            os.chmod(path, 0o666 & ~umask)
 
 
 def _merge(ckpt: Path, meta: dict, cfg: dict, tensors: dict, out: Path, dtype: str, base_override: str | None) -> None:

@@ -128,7 +128,8 @@ def resolve_gguf(name: str, source: Path, revision: str = "", *, out=None) -> Re
     "gguf-sha256:..." it must have (checked) or a moving name ("main", "") that is ignored."""
     sha = file_sha256(source)
     if revision.startswith(GGUF_REVISION_PREFIX) and revision != gguf_revision(sha):
-        raise PinError(PinCode.REVISION_MISMATCH, f"{source} has revision {gguf_revision(sha)}, the config pins {revision}")
+        raise PinError(PinCode.REVISION_MISMATCH,
+                       f"{source} has revision {gguf_revision(sha)}, the config pins {revision}")
     path = converted_dir(source, sha256=sha, out=out)
     pin = BasePin(name=name, revision=gguf_revision(sha), weights_sha256=weights_hash(path),
                   tokenizer_sha256=tokenizer_hash(path), stop_token_ids=stop_token_ids(path))
@@ -155,8 +156,8 @@ def locate_gguf(pin: BasePin, *, override: str | None = None, search_path: list[
                                                       f"{want[:12]}); get that file and pass --model PATH.gguf")
     sha = file_sha256(source)
     if sha != want:
-        raise PinError(PinCode.REVISION_MISMATCH, f"{where} ({source.name}) is not the coordinator's GGUF: its sha256 is "
-                                                  f"{sha[:12]}, the run pins {want[:12]}; use exactly that file")
+        raise PinError(PinCode.REVISION_MISMATCH, f"{where} ({source.name}) is not the coordinator's GGUF: its sha256 "
+                                                  f"is {sha[:12]}, the run pins {want[:12]}; use exactly that file")
     path = converted_dir(source, sha256=sha)
     try:
         verify(path, pin, where=f"{where} converted ({path})")
@@ -238,7 +239,8 @@ def stop_ids_of(config, tokenizer) -> list[int]:
 
 
 def hf_files_from_gguf(gguf: Path, dest: Path) -> None:
-    """Write the Hugging Face files of `gguf` into the directory `dest` (the conversion the module docstring describes)."""
+    """Write the Hugging Face files of `gguf` into the directory `dest` (the conversion the module docstring
+    describes)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 

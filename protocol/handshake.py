@@ -174,9 +174,11 @@ def release_tuple(version: str) -> tuple[int, ...]:
 
 def upgrade_hint(side: str, to: str) -> str:
     """What to run: `side` ("client" or "coordinator") is the older one, `to` the release to reach."""
-    return (f"upgrade the volunteer: pip install -U '{PACKAGE}>={to}'" if side == "client"
-            else f"the coordinator runs an older {PACKAGE}; join it with pip install '{PACKAGE}=={to}' "
-                 "(or ask its operator to upgrade)")
+    # asyncrl is not on a package index: the coordinator's release is its wheel or a clone at its commit
+    return (f"upgrade the volunteer to {PACKAGE} {to}: the coordinator's wheel ({PACKAGE}-{to}-*.whl) or "
+            "pip install -e . in a clone at its commit (docs/gpu-swarm.md)" if side == "client"
+            else f"the coordinator runs an older {PACKAGE}; join it with {PACKAGE} {to} (its wheel, or a clone at "
+                 "its commit) or ask its operator to upgrade")
 
 
 def client_refusal(*, client_protocol: int, client_schema: int, client_version: str, coordinator_version: str,

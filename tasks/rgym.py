@@ -48,7 +48,7 @@ def _rg():
     try:
         import reasoning_gym
     except ImportError:
-        raise ImportError("reasoning_gym: tasks need the `reasoning-gym` package (pip install 'asyncrl[rgym]')") from None
+        raise ImportError("reasoning_gym: tasks need the `reasoning-gym` package (pip install 'reasoning-gym>=0.1.19')") from None
     return reasoning_gym
 
 

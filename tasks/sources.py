@@ -223,7 +223,7 @@ def read_hf(spec: str, fields: RecordFields = RecordFields()) -> tuple[list[Prom
     try:
         import datasets
     except ImportError:
-        raise TaskSourceError("hf: task sources need the `datasets` package (pip install 'asyncrl[hf]')") from None
+        raise TaskSourceError("hf: task sources need the `datasets` package (pip install 'datasets>=2.18')") from None
     name, _, rest = spec.partition(":")
     local = Path(spec) if Path(spec).exists() else (Path(name) if Path(name).exists() else None)
     if local is not None:

@@ -212,9 +212,10 @@ def test_several_config_files_merge_in_order_and_flags_win(tmp_path, capsys):
     (tmp_path / "a.toml").write_text('model = "tiny"\ngroup_size = 4\nlr = 1e-3\n[loss]\nbeta = 0.1\n')
     (tmp_path / "b.toml").write_text('group_size = 6\n[loss]\nepsilon = 0.3\n')
     assert cli.main(["run", "--dry-run", "--config", str(tmp_path / "a.toml"), "--config", str(tmp_path / "b.toml"),
-                     "--lr", "5e-4"]) == 0
+                     "--lr", "5e-4", "--temperature", "0.7"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert (got["group_size"], got["lr"], got["loss"]["beta"], got["loss"]["epsilon"]) == (6, 5e-4, 0.1, 0.3)
+    assert got["temperature"] == 0.7  # sampling temperature on the command line too
     (tmp_path / "c.toml").write_text('group_size = "six"\n')
     assert cli.main(["run", "--dry-run", "--config", str(tmp_path / "a.toml"), "--config", str(tmp_path / "c.toml")]) == 2
     assert "c.toml" in capsys.readouterr().err  # the error names the files it came from

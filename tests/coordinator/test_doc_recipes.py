@@ -1,7 +1,8 @@
 """Every coordinator config in the guides starts as written: parsed and resolved exactly as `run --config`
 does, then its task opened through the coordinator's own start-up path (coordinator/preflight.py
 `open_task`). Only what cannot exist offline is replaced: a hub dataset by a local JSONL the test writes in
-that dataset's format, the hub model by a random one with Qwen2.5-0.5B's context, built in code."""
+that dataset's format, the hub model by Qwen's real tokenizer and chat template (tests/realshape.py, fetched by
+`make`) with a model config of Qwen2.5-0.5B's context, built in code."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from asyncrl.coordinator.config_file import resolve_config
 from tests.realshape import build_config, build_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
-GUIDES = ("docs/researcher.md", "docs/operator.md")
+GUIDES = ("docs/researcher.md", "docs/operator.md", "docs/gpu-swarm.md")
 
 # Three rows in openai/gsm8k's format: `question`, and `answer` = worked solution ending in "#### N".
 GSM8K_ROWS = [
@@ -51,7 +52,23 @@ CONFIGS = doc_configs()
 
 
 def test_the_guides_have_gsm8k_recipes():
-    assert sum("gsm8k" in v["task"] for _, v in CONFIGS) >= 2, [name for name, _ in CONFIGS]
+    assert sum("gsm8k" in v["task"] for _, v in CONFIGS) >= 3, [name for name, _ in CONFIGS]
+
+
+def test_the_gpu_recipe_dry_runs_on_its_preset_as_written(tmp_path, capsys):
+    """docs/gpu-swarm.md's `--config preset --config gsm8k-1.5b.toml --dry-run`, with the file as the page shows it."""
+    from asyncrl.coordinator import cli
+
+    page = (REPO / "docs/gpu-swarm.md").read_text()
+    (tmp_path / "gsm8k-1.5b.toml").write_text(re.findall(r"```toml\n(.*?)```", page, re.S)[0])
+    command = next(line for line in page.splitlines() if "--dry-run" in line and line.startswith("asyncrl-coordinator"))
+    argv = command.split("#")[0].split()[1:]
+    argv = [str(tmp_path / a) if a == "gsm8k-1.5b.toml" else str(REPO / a) if a.startswith("configs/") else a
+            for a in argv]
+    assert cli.main(argv) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert (got["model"], got["task"], got["task_prompt_field"]) == ("Qwen/Qwen2.5-1.5B-Instruct",
+                                                                    "hf:openai/gsm8k:main:train", "question")
 
 
 @pytest.mark.parametrize("name,values", CONFIGS, ids=[n for n, _ in CONFIGS])

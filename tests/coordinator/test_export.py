@@ -267,3 +267,20 @@ def test_merge_keeps_a_bf16_base_in_bf16_with_the_bits_of_an_fp32_merge(tmp_path
     assert all(torch.equal(got[n], ref[n]) for n in got)
     base16 = AutoModelForCausalLM.from_pretrained(str(bf16_dir), dtype=torch.bfloat16).state_dict()
     assert any(not torch.equal(got[n], base16[n]) for n in got if "q_proj" in n)  # the adapter was merged in
+
+
+def test_exported_files_are_readable_as_ordinary_files(tmp_path):
+    """safetensors creates its files 0600; an export is meant to be shared (peft, vLLM, another user)."""
+    import os
+
+    import torch
+    from safetensors.torch import save_file
+
+    from asyncrl.coordinator.export import shareable
+
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "adapter_model.safetensors"))
+    assert os.stat(tmp_path / "adapter_model.safetensors").st_mode & 0o777 == 0o600
+    shareable(tmp_path)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(tmp_path / "adapter_model.safetensors").st_mode & 0o777 == 0o666 & ~umask

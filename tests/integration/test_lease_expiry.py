@@ -31,14 +31,16 @@ def test_killed_volunteers_prompts_are_released_and_trained(procs, tmp_path):
     args = ["-m", "asyncrl.client.cli", "join", join, "--threads", "1", "--prompts-per-batch", "2",
             "--fixed-lease-size"]  # the victim holds two leases from its first grant on (no one-prompt probe)
     victim_dir = tmp_path / "victim"
+    victim_dir.mkdir()
+    (victim_dir / "HOLD_UPLOADS").write_text("its batches stay unsent until it is killed\n")
     victim = procs.start("victim", [*args, "--name", "victim", "--data-dir", str(victim_dir)],
-                         env={"ASYNCRL_FAULT": "pause-after-spool"})  # stops holding its leases, batch unsent
-    wait_for(lambda: (victim_dir / "FAULT_PAUSED").exists(), 240, "the victim to finish generating")
+                         env={"ASYNCRL_FAULT": "hold-uploads"})  # works on, uploads nothing: its leases die with it
+    wait_for(lambda: any((victim_dir / "outbox").glob("*.payload")), 240, "the victim to finish generating")
     procs.signal(victim, signal.SIGKILL)
     victim.wait(10)
-    spooled = next((victim_dir / "outbox").glob("*.payload")).read_bytes()  # the payload: sealed at upload
-    lost = {g.prompt_id for g in messages.decode_rollout_batch(spooled, max_bytes=1 << 20).groups}
-    assert len(lost) == 2
+    spooled = [p.read_bytes() for p in (victim_dir / "outbox").glob("*.payload")]  # payloads: sealed at upload
+    lost = {g.prompt_id for b in spooled for g in messages.decode_rollout_batch(b, max_bytes=1 << 20).groups}
+    assert len(lost) == 2 * len(spooled) >= 2  # two prompts per batch, each batch unsent
 
     procs.start("survivor", [*args, "--name", "survivor", "--data-dir", str(tmp_path / "survivor")])
 

