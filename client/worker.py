@@ -444,6 +444,11 @@ class Volunteer:
                 if self.cfg.max_batches and self.status.batches_acked >= self.cfg.max_batches:
                     break
                 try:
+                    if len(self.outbox):
+                        # Spooled batches go first, every round (not only after new work: a volunteer holding
+                        # all the leases it may hold would otherwise never deliver them after an outage), and
+                        # before the --max-batches wait below, which waits for exactly these uploads.
+                        self._kick_uploads()
                     in_flight = self._in_flight(stage)
                     if self.cfg.max_batches and self.status.batches_acked + in_flight >= self.cfg.max_batches:
                         self._settled.clear()  # enough work is out: wait for its acks (or refusals)
@@ -456,10 +461,6 @@ class Volunteer:
                         self.status.run_finished = True
                         self._goodbye()
                         break
-                    if len(self.outbox):
-                        # Spooled batches go first, every round (not only after new work: a volunteer holding
-                        # all the leases it may hold would otherwise never deliver them after an outage).
-                        self._kick_uploads()
                     if len(self.outbox) and self.outbox.size_bytes() >= self.outbox.max_bytes * 0.9:
                         # Bounded disk: stop producing until the coordinator takes what we have.
                         self.display.event("warning", f"outbox nearly full ({self.outbox.size_bytes()} bytes, cap "

@@ -140,3 +140,47 @@ def test_the_serial_loop_fetches_nothing_ahead(tmp_path):
     vol.engine.desk.second_grant.set()  # nothing to wait for: the serial loop never asks while generating
     vol.run()
     assert len(desk.granted) == 1 and desk.delivered == set(desk.granted[0]) and desk.outstanding() == set()
+
+
+class UnreachableOnce(LeaseDesk):
+    """The coordinator's first submit breaks (the stream reset), every later one is acked."""
+
+    def __init__(self):
+        super().__init__()
+        self.submits = 0
+
+    def call(self, peer, name, sealed, *, max_response_bytes, timeout=30.0):
+        if name.endswith("submit"):
+            self.submits += 1
+            if self.submits == 1:
+                from asyncrl.swarm.transport import TransportError
+
+                raise TransportError("Connection reset by peer")
+        return super().call(peer, name, sealed, max_response_bytes=max_response_bytes, timeout=timeout)
+
+
+def spooled_batch(i: int) -> messages.RolloutBatch:
+    done = messages.Completion(token_ids=np.zeros(2, "<i4").tobytes(), logprobs=np.zeros(2, "<f4").tobytes(),
+                               reward=0.0, finish_reason="length")
+    group = messages.RolloutGroup(lease_id=f"old{i}", prompt_id=f"p-old{i}",
+                                  prompt_token_ids=np.ones(1, "<i4").tobytes(), completions=(done, done))
+    return messages.RolloutBatch(run_id="r", adapter_version=0, client_name="v", sampling=SAMPLING, groups=(group,),
+                                 generated_at=0.0)
+
+
+def test_a_restarted_volunteer_whose_first_upload_broke_delivers_its_spooled_batches(tmp_path):
+    """--max-batches 2 with two batches spooled by an earlier run: they are the work in flight, so the loop
+    waits for their acks — and must keep uploading them while it waits, also when the start-up flush broke."""
+    desk = UnreachableOnce()
+    vol = pipelined_volunteer(tmp_path, desk, max_batches=2, poll_s=0.05)
+    for i in range(2):
+        vol.outbox.put(messages.encode(spooled_batch(i)))
+    runner = threading.Thread(target=vol.run, daemon=True)
+    runner.start()
+    runner.join(WAIT_S)
+    stuck = runner.is_alive()
+    vol.stop.set()  # a hang guard: lets a stuck loop end before the assertion reports it
+    runner.join(WAIT_S)
+    assert not stuck, f"run() never finished: {desk.submits} submits, {len(vol.outbox)} batches still spooled"
+    assert desk.delivered == {"old0", "old1"} and len(vol.outbox) == 0 and vol.status.batches_acked == 2
+    assert desk.granted == [], "the spooled batches were the two --max-batches allows: no lease asked"
