@@ -176,7 +176,8 @@ def audit_copy(swarm, version: int, missing_ok: bool = False) -> dict | None:
 def claimed_version_mismatch(mallory, groups, tensors: dict) -> float:
     """What the audit should measure for `groups` claimed as the version whose published `tensors` these are,
     computed independently of it: her tokens teacher-forced through her engine's model carrying those
-    tensors, compared with the logprobs she reported by the audit's own statistic (`audit.mismatch`)."""
+    tensors, processed as her engine samples (ids past the tokenizer's length masked), compared with the
+    logprobs she reported by the audit's own statistic (`audit.mismatch`)."""
     from asyncrl.client.engine import processed_logprobs
     from asyncrl.coordinator.audit import mismatch
     from asyncrl.models.lora import load_lora
@@ -192,7 +193,7 @@ def claimed_version_mismatch(mallory, groups, tensors: dict) -> float:
             for c in g.completions:
                 tokens = np.frombuffer(c.token_ids, dtype="<i4").tolist()
                 logits = engine.model(input_ids=torch.tensor([prompt + tokens])).logits[0].float()
-                logps = processed_logprobs(logits[len(prompt) - 1:-1], sampling)
+                logps = processed_logprobs(logits[len(prompt) - 1:-1], sampling, vocab_limit=len(engine.tokenizer))
                 recomputed.append(logps.gather(1, torch.tensor(tokens)[:, None]).squeeze(1))
                 claimed.append(torch.from_numpy(np.frombuffer(c.logprobs, dtype="<f4").copy()))
     width = max(len(r) for r in recomputed)
