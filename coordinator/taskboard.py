@@ -13,7 +13,8 @@ it could not score itself; once `prompt_max_failures` *distinct* keys reported o
 text, answer, reward, columns — a dataset's later epochs give it new prompt ids) with no group of it
 scored since, it is **retired**: not requeued, never leased again in any epoch, counted, its id kept
 among the last `RETIRED_KEPT`. Only explicit reports count, never a silent expiry (a volunteer that
-crashed), and distinct keys, so one key cannot retire a prompt alone.
+crashed), and distinct keys, so one key cannot retire a prompt alone. A reported record is never leased
+again to a key that reported it (it would fail there again), so the next report comes from another key.
 Reports are a volunteer's word and keys are free to mint, so the evidence is weighed by the reporters'
 standing (`standing(key)`: a key with accepted batches and no ban, asked when the weight is taken): each
 proven key weighs 1, all keys without a record together at most 1 (`FRESH_REPORTS_WEIGHT`), and a record
@@ -80,6 +81,10 @@ RETIRED_KEPT = 64
 """Retired prompt ids kept (the newest) for summary.json; the count has them all."""
 
 
+REQUEUE_SCAN = 64
+"""Requeued prompts a lease call looks through for one its caller has not reported unscorable."""
+
+
 class LeaseRejected(Exception):
     pass
 
@@ -127,8 +132,8 @@ class TaskBoard:
             out = []
             skips = [SOURCE_SKIP_BOUND]  # for the whole call
             for _ in range(n):
-                if self._requeued:
-                    prompt = self._requeued.popleft()
+                prompt = self._requeued_for_locked(client)
+                if prompt is not None:
                     self.released += 1
                 else:
                     prompt = self._next_from_source_locked(skips)
@@ -143,6 +148,19 @@ class TaskBoard:
                 out.append(lease)
             self.leased += len(out)
             return out
+
+    def _requeued_for_locked(self, client: bytes) -> Prompt | None:
+        """The first of the first REQUEUE_SCAN requeued prompts that `client` has not reported unscorable, taken
+        off the requeue; None when there is none. A reporter would fail that record again, and a poison record is
+        retired only on another key's report, so it waits for someone else (module docstring)."""
+        if not self._failures:
+            return self._requeued.popleft() if self._requeued else None
+        me = client.hex()
+        for i, prompt in enumerate(itertools.islice(self._requeued, REQUEUE_SCAN)):
+            if me not in self._failures.get(content_key(prompt), ()):
+                del self._requeued[i]
+                return prompt
+        return None
 
     def _next_from_source_locked(self, skips: list[int]) -> Prompt | None:
         """The source's next prompt that is neither settled by a journal replay nor retired; None once the

@@ -55,10 +55,11 @@ def test_a_prompt_reported_by_three_distinct_keys_is_retired_and_never_leased_ag
 def test_one_key_or_silent_expiries_never_retire_a_prompt():
     clock = FakeClock()
     b = board(clock)
-    assert [report(b, KEYS[0]) for _ in range(5)] == ["q0"] * 5  # the same key, again and again
-    for k in KEYS[1:6]:  # volunteers that vanish with it (crashed): not evidence against the prompt
+    # The same key reports every record it gets; it is never handed one it reported again.
+    assert [report(b, KEYS[0]) for _ in range(5)] == ["q0", "q1", "q2", "q3", "q4"]
+    for i, k in enumerate(KEYS[1:6]):  # volunteers that vanish with them (crashed): not evidence against them
         (lease,) = b.lease(k, 1)
-        assert lease.prompt.text == "q0"
+        assert lease.prompt.text == f"q{i}"
         clock.t += 11
         assert b.expire() == 1
     assert b.counts()["retired"] == 0 and b.balanced(queued_groups=0)
@@ -216,3 +217,18 @@ def test_a_lease_call_skips_a_bounded_number_of_retired_records_in_all():
     drawn = source.drawn
     assert b.lease(KEYS[2], 8) == []
     assert source.drawn - drawn == taskboard.SOURCE_SKIP_BOUND  # for the whole call, not per prompt asked
+
+
+def test_a_reported_record_waits_for_another_key_and_its_report_retires_it():
+    """A reporter asking again (a pipelined volunteer asks at once) gets other work; the record goes to the next
+    key, whose report is the second distinct one: retired, not bounced between one key and the requeue."""
+    clock = FakeClock()
+    b = board(clock, failures=2)
+    assert report(b, KEYS[0]) == "q0"
+    again = b.lease(KEYS[0], 3)  # the reporter, first in line again: q0 is not among its prompts
+    assert [lease.prompt.text for lease in again] == ["q1", "q2", "q3"]
+    assert report(b, KEYS[1]) == "q0"  # handed to the next key: the second distinct report retires it
+    c = b.counts()
+    assert (c["retired"], c["released"]) == (1, 1)
+    assert [lease.prompt.text for lease in b.lease(KEYS[1], 2)] == ["q4", "q5"]
+    assert b.balanced(queued_groups=0)
