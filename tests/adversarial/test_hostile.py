@@ -4,11 +4,11 @@ test, so a loaded machine slows both alike). Each row asserts the ratio >= HONES
 lost (the `attack` fixture) and 0 forged batches trained:
 
   * zero-byte requests overlapping other requests of the same peer (swarm/inbound.py): never INTERNAL;
-  * Sybil keys reporting every leased prompt unscorable (coordinator/taskboard.py): nothing is retired;
-  * a crowd of fresh keys waiting for room (coordinator/leasing.py FairShare): proven volunteers stay in front;
-  * copies of a volunteer's lease requests from other peers (coordinator/leasing.py): never leases on her key;
-  * her accepted payload re-sealed under another key (coordinator/receipts.py): no receipt of hers to a stranger;
-  * one peer flooding the handshake stream with dial-back requests (coordinator/handshake.py): answered at its
+  * Sybil keys reporting every leased prompt unscorable (coordinator/leasing/taskboard.py): nothing is retired;
+  * a crowd of fresh keys waiting for room (coordinator/leasing/leasing.py FairShare): proven volunteers stay in front;
+  * copies of a volunteer's lease requests from other peers (coordinator/leasing/leasing.py): never leases on her key;
+  * her accepted payload re-sealed under another key (coordinator/ingest/receipts.py): no receipt of hers to a stranger;
+  * one peer flooding the handshake stream with dial-back requests (coordinator/leasing/handshake.py): answered at its
     own rate, and honest doctor checks are still dialled back.
 """
 
