@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -102,6 +103,10 @@ def test_an_export_of_a_local_base_names_its_pin_and_loads_from_its_own_config(t
     cfg = json.loads((out / "adapter_config.json").read_text())
     assert (cfg["base_model_name_or_path"], cfg["revision"]) == (trained["model"], trained["pin"].revision)
     assert max_diff(AutoPeftModelForCausalLM.from_pretrained(str(out)).eval(), samples) < TF_TOL
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == \
+        {p.name: oct(0o666 & ~umask) for p in out.iterdir()}  # every file shareable, the safetensors one too
 
 
 def test_exported_adapter_loads_in_stock_peft_with_the_engines_logprobs(trained, samples, tmp_path):
