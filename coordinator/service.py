@@ -223,6 +223,7 @@ class Coordinator:
                                    base_weights_sha256=pin.weights_sha256, tokenizer_sha256=pin.tokenizer_sha256,
                                    stop_token_ids=pin.stop_token_ids,
                                    max_context_tokens=preflight.context_needed(source, cfg.max_new_tokens))
+        self.providers.source = self.publisher  # what a seeder's service check must return (swarm/seeder_service.py)
         self.gate = checkpoint.Gate()  # lease/submit handlers vs. a checkpoint snapshot
         self.checkpoints = checkpoint.Checkpointing(
             self.run_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints, gate=self.gate, learner=self.learner,
