@@ -27,7 +27,6 @@ group); a coordinator that cannot take it at all (not admitted, other run, other
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -35,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from asyncrl.protocol import envelope, messages
+from asyncrl.protocol import envelope, limits, messages
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import Identity
 from asyncrl.swarm import streams
@@ -43,12 +42,6 @@ from asyncrl.swarm.streams import stream_name
 
 from .episodes import episode_completion, generate_episodes, is_episode_lease
 
-# Test-only fault injection (hivemind-style): ASYNCRL_FAULT=slow-generate:S makes each work take S seconds
-# more (a slow GPU), slow-prompt:S S seconds more per leased prompt (a slow GPU, in proportion to the
-# work: tests/integration/test_sized_leases.py); ASYNCRL_FAULT=hold-uploads makes it keep working but upload
-# nothing while <data_dir>/HOLD_UPLOADS exists (tests/integration/test_outage.py: batches spooled across an
-# outage; test_client_crash.py: a SIGKILL while several batches wait in the outbox).
-FAULT = os.environ.get("ASYNCRL_FAULT", "")
 MAX_BACKOFF_S = 30.0
 ENGINE_FAILURE_STREAK = 3  # works in a row in which the engine served no lease at all: the engine is broken
 FOLLOW_FIRST_WAIT_S, FOLLOW_MAX_WAIT_S = 5.0, 120.0  # --follow: how often to ask for the next run
@@ -759,9 +752,7 @@ class Volunteer:
         """(generated, unfinished, pause reason). With --only-when-idle one prompt at a time, asking
         IdleWatch between them: when the machine is wanted, the leases not yet started are left for the
         caller to return. Otherwise all prompts in one engine call (vLLM batches them)."""
-        slow_s = float(FAULT.split(":", 1)[1]) if FAULT.startswith("slow-prompt:") else 0.0  # test-only
         if not self.cfg.only_when_idle:
-            time.sleep(slow_s * len(leases))  # like a real engine, not cut short by Ctrl-C
             return self._generate(leases, group_size, sampling), [], None
         generated = []
         for i, lease in enumerate(leases):
@@ -771,7 +762,6 @@ class Volunteer:
                     return generated, list(leases[i:]), reason
             self.status.state, self.status.lease_progress = "generating", [i, len(leases)]
             self._write_status()
-            time.sleep(slow_s)
             generated += self._generate([lease], group_size, sampling)
         return generated, [], None
 
@@ -820,8 +810,6 @@ class Volunteer:
     def _generate_work(self, work: "Work") -> float:
         """Engine thread: generate every leased prompt in one engine call; returns the seconds it took."""
         work.version = self.serving_version  # what the batch is tagged with: the adapter it was generated with
-        if FAULT.startswith("slow-generate:"):  # test-only: an honest but slow GPU (tests/integration/test_long_work.py)
-            self.stop.wait(float(FAULT.split(":", 1)[1]))
         t0 = time.perf_counter()
         self.status.state = "generating"
         work.generated, work.unfinished, work.reason = self._generate_politely(
@@ -962,8 +950,6 @@ class Volunteer:
 
     def _upload(self, batch_id: bytes, payload: bytes) -> bool:
         """One upload attempt; False = stop this flush (retry later)."""
-        if FAULT == "hold-uploads" and (self.cfg.data_dir / "HOLD_UPLOADS").exists():
-            return False  # test-only: keep spooling, upload nothing until the test removes the file
         sealed = envelope.seal(self.identity, "rollout_batch", payload, audience=self.coordinator_key)
         try:
             raw = self.node.call(self.coordinator_peer_id, stream_name(self.run_id, streams.SUBMIT), sealed,

@@ -57,5 +57,13 @@ def start_coordinator(procs, run: Path, *, name: str = "coordinator", timeout: f
     return Coordinator(proc, run, wait_for_join(run, timeout, proc))
 
 
-def start_volunteer(procs, join: str, data: Path, *, name: str, **opts) -> subprocess.Popen:
-    return procs.start(name, volunteer_args(join, data, name=name, **opts))
+def with_fault(args: list[str], fault: str) -> list[str]:
+    """A volunteer command line run by the fault double instead (tests/fault_volunteer.py: slow-prompt:S,
+    slow-generate:S, hold-uploads): the same flags, one real Volunteer subclass with one fault."""
+    assert list(args[:2]) == ["-m", "asyncrl.client.cli"], args[:2]
+    return ["-m", "tests.fault_volunteer", fault, *args[2:]]
+
+
+def start_volunteer(procs, join: str, data: Path, *, name: str, fault: str | None = None, **opts) -> subprocess.Popen:
+    args = volunteer_args(join, data, name=name, **opts)
+    return procs.start(name, with_fault(args, fault) if fault else args)

@@ -1,6 +1,6 @@
 """The operator's capacity figures (coordinator/operator/capacity.py) against a real swarm with a deliberately slow
-volunteer: `slow` takes 3 s more per leased prompt (ASYNCRL_FAULT=slow-prompt:3) beside a normal `fast` one,
-and the learner wants 8 groups per step. The dashboard's /api/status must say the learner waits (idle), that
+volunteer: `slow` takes 3 s more per leased prompt (slow-prompt:3, tests/fault_volunteer.py) beside a normal
+`fast` one, and the learner wants 8 groups per step. The dashboard's /api/status must say the learner waits (idle), that
 the swarm does not keep it busy, how many more volunteers it would take, and measure `slow` below `fast`."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from asyncrl.runlog import read_events
 
 from tests.conftest import wait_for
-from tests.harness import start_coordinator, start_volunteer, volunteer_args
+from tests.harness import start_coordinator, start_volunteer
 
 pytestmark = pytest.mark.integration
 
@@ -30,8 +30,8 @@ def test_a_slow_swarm_shows_an_idle_learner_and_the_volunteers_it_lacks(procs, t
     url = wait_for(lambda: (run / "dashboard.txt").exists() and (run / "dashboard.txt").read_text().strip(), 60,
                    "dashboard.txt")
     start_volunteer(procs, coord.join, tmp_path / "fast", name="fast", prompts_per_batch=2, fixed_lease_size=True)
-    procs.start("slow", volunteer_args(coord.join, tmp_path / "slow", name="slow", prompts_per_batch=2,
-                                       fixed_lease_size=True), env={"ASYNCRL_FAULT": "slow-prompt:3"})
+    start_volunteer(procs, coord.join, tmp_path / "slow", name="slow", prompts_per_batch=2, fixed_lease_size=True,
+                    fault="slow-prompt:3")
 
     def measured():
         cap = _capacity(url)

@@ -12,6 +12,7 @@ import pytest
 from asyncrl.runlog import read_events
 
 from tests.conftest import wait_for, wait_for_join
+from tests.harness import with_fault
 
 pytestmark = pytest.mark.integration
 
@@ -33,8 +34,9 @@ def test_a_killed_pipelined_volunteer_keeps_every_unacked_batch(procs, tmp_path)
     args = ["-m", "asyncrl.client.cli", "join", join, "--name", "alice", "--data-dir", str(data), "--threads", "1"]
     data.mkdir()
     (data / "HOLD_UPLOADS").write_text("the test kills the volunteer while its batches wait here\n")
-    # test-only fault: the volunteer keeps generating and spooling but uploads nothing while HOLD_UPLOADS exists
-    victim = procs.start("alice-1", args, env={"ASYNCRL_FAULT": "hold-uploads"})
+    # the fault double (tests/fault_volunteer.py) keeps generating and spooling but uploads nothing while
+    # HOLD_UPLOADS exists; after the kill the real volunteer takes over the same data directory
+    victim = procs.start("alice-1", with_fault(args, "hold-uploads"))
     outbox = data / "outbox"
     spooled_before = wait_for(lambda: (lambda ids: ids if len(ids) >= 2 else None)(
         {p.stem for p in outbox.glob("*.payload")}), 240, "the volunteer to spool two batches")

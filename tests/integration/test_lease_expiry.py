@@ -12,6 +12,7 @@ from asyncrl.protocol import messages
 from asyncrl.runlog import read_events
 
 from tests.conftest import wait_for, wait_for_join
+from tests.harness import with_fault
 
 pytestmark = pytest.mark.integration
 
@@ -33,8 +34,9 @@ def test_killed_volunteers_prompts_are_released_and_trained(procs, tmp_path):
     victim_dir = tmp_path / "victim"
     victim_dir.mkdir()
     (victim_dir / "HOLD_UPLOADS").write_text("its batches stay unsent until it is killed\n")
-    victim = procs.start("victim", [*args, "--name", "victim", "--data-dir", str(victim_dir)],
-                         env={"ASYNCRL_FAULT": "hold-uploads"})  # works on, uploads nothing: its leases die with it
+    # works on, uploads nothing (tests/fault_volunteer.py): its leases die with it
+    victim_args = [*args, "--name", "victim", "--data-dir", str(victim_dir)]
+    victim = procs.start("victim", with_fault(victim_args, "hold-uploads"))
     wait_for(lambda: any((victim_dir / "outbox").glob("*.payload")), 240, "the victim to finish generating")
     procs.signal(victim, signal.SIGKILL)
     victim.wait(10)

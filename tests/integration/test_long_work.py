@@ -14,7 +14,9 @@ import signal
 import pytest
 
 from asyncrl.client import cli as client_cli
+
 from tests.conftest import wait_for, wait_for_join
+from tests.harness import with_fault
 
 pytestmark = pytest.mark.integration
 
@@ -41,16 +43,16 @@ def test_slow_honest_groups_renew_and_too_long_prompts_cost_only_their_lease(pro
     join = wait_for_join(run, 180)
     args = ["-m", "asyncrl.client.cli", "join", join, "--threads", "1", "--prompts-per-batch", "2", "--json-logs"]
     slow_dir, small_dir = tmp_path / "slow", tmp_path / "small"
-    slow = procs.start("slow", [*args, "--name", "slow", "--data-dir", str(slow_dir), "--max-batches", "3"],
-                       env={"ASYNCRL_FAULT": f"slow-generate:{SLOW_S}"})
+    slow_args = [*args, "--name", "slow", "--data-dir", str(slow_dir), "--max-batches", "3"]
+    slow = procs.start("slow", with_fault(slow_args, f"slow-generate:{SLOW_S}"))
     # an engine context of 8 tokens: no prompt + max_new_tokens fits, every lease is too long for it
     small = procs.start("small", [*args, "--name", "small", "--data-dir", str(small_dir), "--max-model-len", "8"])
 
     # polite: only the pause command counts (no user, any CPU load); 4 s per prompt leaves time to pause mid-lease
     carol_dir = tmp_path / "carol"
-    carol = procs.start("carol", [*args, "--name", "carol", "--data-dir", str(carol_dir), "--fixed-lease-size",
-                                  "--only-when-idle", "--user-idle-s", "0", "--idle-max-cpu", "1.0"],
-                        env={"ASYNCRL_FAULT": "slow-prompt:4"})
+    carol_args = [*args, "--name", "carol", "--data-dir", str(carol_dir), "--fixed-lease-size", "--only-when-idle",
+                  "--user-idle-s", "0", "--idle-max-cpu", "1.0"]
+    carol = procs.start("carol", with_fault(carol_args, "slow-prompt:4"))
     wait_for(lambda: (_status(carol_dir) or {}).get("lease_progress") == [0, 2], 300, "carol on her lease's first prompt")
     assert client_cli.main(["pause", "--data-dir", str(carol_dir)]) == 0  # in-process: no interpreter start-up to wait for
     wait_for(lambda: (_status(carol_dir) or {}).get("state") == "paused", 120, "carol paused")

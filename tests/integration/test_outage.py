@@ -1,11 +1,11 @@
 """Batches outlive an outage longer than the coordinator's timestamp window (real processes).
 
-A volunteer spools batches it cannot upload (test-only fault `hold-uploads`: it keeps working while the
-file HOLD_UPLOADS exists), the coordinator is stopped (its final checkpoint holds the leases), stays down
-for more than `--timestamp-window-s`, and comes back with `--resume`. The volunteer seals each batch when
-it uploads it, so nothing is EXPIRED: every batch it spooled is acked and then trained or explicitly
-dropped as stale (a `step` / `dropped` record names its id), none is deleted unread, and the lease books
-balance.
+A volunteer spools batches it cannot upload (the fault double's `hold-uploads`, tests/fault_volunteer.py: it
+keeps working while the file HOLD_UPLOADS exists), the coordinator is stopped (its final checkpoint holds the
+leases), stays down for more than `--timestamp-window-s`, and comes back with `--resume`. The volunteer seals
+each batch when it uploads it, so nothing is EXPIRED: every batch it spooled is acked and then trained or
+explicitly dropped as stale (a `step` / `dropped` record names its id), none is deleted unread, and the lease
+books balance.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import pytest
 from asyncrl.runlog import read_events
 
 from tests.conftest import wait_for, wait_for_join
+from tests.harness import with_fault
 
 pytestmark = pytest.mark.integration
 
@@ -56,10 +57,9 @@ def test_spooled_batches_survive_an_outage_longer_than_the_window(procs, tmp_pat
     join = wait_for_join(run, 180)
     vol.mkdir()
     (vol / "HOLD_UPLOADS").write_text("the test releases uploads after the outage\n")
-    volunteer = procs.start("vol", ["-m", "asyncrl.client.cli", "join", join, "--name", "vol", "--threads", "1",
-                                    "--data-dir", str(vol), "--prompts-per-batch", "2", "--json-logs",
-                                    "--fixed-lease-size"],  # 2 prompts per batch from the first (no sizing probe)
-                            env={"ASYNCRL_FAULT": "hold-uploads"})
+    args = ["-m", "asyncrl.client.cli", "join", join, "--name", "vol", "--threads", "1", "--data-dir", str(vol),
+            "--prompts-per-batch", "2", "--json-logs", "--fixed-lease-size"]  # 2 prompts per batch from the first
+    volunteer = procs.start("vol", with_fault(args, "hold-uploads"))
     # It holds every lease it may (8 prompts = 4 batches of 2) and spools them all.
     wait_for(lambda: _status(vol).get("outbox", 0) >= 4, 300, "the volunteer to spool 4 batches")
     spooled = set(_status(vol)["outbox_pending"])

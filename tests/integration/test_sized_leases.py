@@ -1,8 +1,8 @@
 """Work sized to the machine (client/lease_sizing.py, coordinator/leasing/leasing.py), real processes over loopback.
 
 One coordinator whose leases live at most LIFE_S (renewals included). Three volunteers slowed by
-ASYNCRL_FAULT=slow-prompt:S (S seconds per leased prompt on top of generation, so the figures below hold
-whatever this machine's speed — conditions, not luck):
+the fault double's slow-prompt:S (tests/fault_volunteer.py: S seconds per leased prompt on top of generation, so
+the figures below hold whatever this machine's speed — conditions, not luck):
   * `fixed` (--fixed-lease-size) asks for 8 prompts every time: 8 x 1 s > LIFE_S, so each lease dies
     before it is done and its groups are lost;
   * `sized` measures itself on a one-prompt lease, then asks for what fits half the budget: nothing lost
@@ -23,6 +23,7 @@ from asyncrl.protocol.errors import RejectCode
 from asyncrl.runlog import read_events
 
 from tests.conftest import wait_for, wait_for_join
+from tests.harness import with_fault
 
 pytestmark = pytest.mark.integration
 LIFE_S = 6.0
@@ -49,9 +50,9 @@ def test_a_slowed_volunteer_takes_smaller_leases_and_loses_nothing_where_a_fixed
     join = wait_for_join(run)
 
     def volunteer(name, slow_s, *extra):
-        return procs.start(name, ["-m", "asyncrl.client.cli", "join", join, "--name", name, "--data-dir",
-                                  str(tmp_path / name), "--threads", "1", "--quiet", "--prompts-per-batch", "8",
-                                  *extra], env={"ASYNCRL_FAULT": f"slow-prompt:{slow_s}"})
+        return procs.start(name, with_fault(["-m", "asyncrl.client.cli", "join", join, "--name", name, "--data-dir",
+                                             str(tmp_path / name), "--threads", "1", "--quiet", "--prompts-per-batch",
+                                             "8", *extra], f"slow-prompt:{slow_s}"))
 
     sized = volunteer("sized", 1.0)
     fixed = volunteer("fixed", 1.0, "--fixed-lease-size")
