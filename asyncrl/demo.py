@@ -10,7 +10,9 @@ and writes `<run_dir>/reward.png` (+ `--json-out`).
     asyncrl demo --clients 2 --run-dir runs/demo --overwrite       # ... unless told to replace an earlier demo
 
 --overwrite deletes only a directory an earlier demo created (its `.asyncrl-demo` marker) whose
-coordinator.key, if any, is the one that demo's coordinator wrote — never a real run's directory or key.
+coordinator.key and config.json, if any, are the ones that demo's coordinator wrote — never a real run's
+directory or key, nor a real run started later in the demo's directory (`asyncrl-coordinator run` rewrites
+config.json at every start, and reuses the key it finds).
 
 Process hygiene (DemoProcesses): each child runs in its own session, so its process group (pgid == its
 pid) holds it and everything it starts — the hivemind DHT fork and p2pd. The demo owns those groups and
@@ -48,9 +50,10 @@ class RunDirInUse(Exception):
 
 
 MARKER = ".asyncrl-demo"
-"""Written by the demo into a run directory it created: {"coordinator_key_sha256": the key its coordinator
-wrote there, or null before it did}. --overwrite deletes only a directory with this marker whose
-coordinator.key (if any) is the one recorded: never a real run's directory or key."""
+"""Written by the demo into a run directory it created: {"coordinator_key_sha256", "config_sha256": the key
+and the config.json its coordinator wrote there, or null before it did}. --overwrite deletes only a directory
+with this marker whose coordinator.key and config.json (if any) are the ones recorded: never a real run's
+directory or key. (Without a recorded config, e.g. from an older demo, the key decides.)"""
 
 
 def prepare_run_dir(run: Path, *, overwrite: bool) -> None:
@@ -66,7 +69,7 @@ def prepare_run_dir(run: Path, *, overwrite: bool) -> None:
                               "choose another --run-dir (or delete it yourself)")
         shutil.rmtree(run)
     run.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(run / MARKER, {"coordinator_key_sha256": None})
+    write_json_atomic(run / MARKER, {"coordinator_key_sha256": None, "config_sha256": None})
 
 
 def _not_ours(run: Path) -> str | None:
@@ -75,9 +78,11 @@ def _not_ours(run: Path) -> str | None:
         marker = json.loads((run / MARKER).read_text())
     except (OSError, ValueError):
         return "was not created by the demo"
-    key = run / "coordinator.key"
+    key, config = run / "coordinator.key", run / "config.json"
     if key.exists() and marker.get("coordinator_key_sha256") != _sha256(key):
         return "holds a coordinator key the demo did not write"
+    if marker.get("config_sha256") and config.exists() and marker["config_sha256"] != _sha256(config):
+        return "holds a run the demo did not start (its config.json is not the demo's)"
     return None
 
 
@@ -88,10 +93,12 @@ def _sha256(path: Path) -> str:
 
 
 def record_coordinator_key(run: Path) -> None:
-    """After the demo's coordinator wrote its key: remember it, so --overwrite knows the key is the demo's."""
-    key = run / "coordinator.key"
+    """After the demo's coordinator wrote its key and config: remember both, so --overwrite knows they are the
+    demo's."""
+    key, config = run / "coordinator.key", run / "config.json"
     if key.exists():
-        write_json_atomic(run / MARKER, {"coordinator_key_sha256": _sha256(key)})
+        write_json_atomic(run / MARKER, {"coordinator_key_sha256": _sha256(key),
+                                         "config_sha256": _sha256(config) if config.exists() else None})
 
 
 class Interrupted:

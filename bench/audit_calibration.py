@@ -29,7 +29,8 @@ it (misses, strikes); every attack is then judged against each class's learned t
 `--model` takes any base the coordinator takes (e.g. `smollm2-135m-instruct`, a real pretrained model whose
 peaked logits make dtype noise larger than the tiny model's; no "another base model" rows then: that
 needs a second model with the same vocabulary). Its pass/fail is on the learned tolerances: no honest
-batch struck or rejected after learning, >= 99 % of fabricated batches caught.
+batch struck or rejected after learning, >= 99 % of fabricated batches caught (of a bf16 class: those beyond its
+own noise, SMALL_LIES below).
 
     .venv/bin/python bench/audit_calibration.py --json-out runs/bench/audit_calibration.json
     .venv/bin/python bench/audit_calibration.py --model smollm2-135m-instruct --versions 4 --batches-per-version 4 \
@@ -300,7 +301,8 @@ def main(argv=None) -> int:
         cfg, tol, args.learn_batches or cfg.audit_learn_batches,
         {"transformers/fp32": (res["honest_shadow"], honest_versions),
          "transformers/bf16": (res["bf16_volunteer_shadow"], bf16_versions)},
-        {"fabricated": [x for v in fab.values() for x in v] + res["cherry_picked_shadow"],
+        {"fabricated": [x for k, v in fab.items() if k not in SMALL_LIES for x in v] + res["cherry_picked_shadow"],
+         **{f"small_lie:{k}": fab[k] for k in SMALL_LIES if k in fab},
          "wrong_version": res["wrong_version_shadow"], "other_base": res["other_base_shadow"]})
     out["wall_s"] = time.time() - t0
     t = out["totals"]
@@ -308,7 +310,9 @@ def main(argv=None) -> int:
     Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(args.json_out, out, indent=1)
     learned_ok = all(c["learned"] and c["struck"] == 0 and c["rejected_after_learning"] == 0
-                     and c["caught"]["fabricated"]["rate"] >= 0.99 for c in out["learned"].values() if c["batches"])
+                     and all(a["rate"] >= 0.99 for name, a in c["caught"].items() if a["n"] and (
+                         name == "fabricated" or (name.startswith("small_lie:") and cls.endswith("/fp32"))))
+                     for cls, c in out["learned"].items() if c["batches"])
     if tiny:
         ok = (t["honest_batches"] >= 500 and t["false_rejects"] == 0 and t["fabricated_caught_rate"] >= 0.99
               and t["wrong_version_caught_rate"] >= 0.99 and learned_ok)
@@ -316,6 +320,13 @@ def main(argv=None) -> int:
         ok = learned_ok
     print("PASS" if ok else "FAIL", f"-> {args.json_out}")
     return 0 if ok else 1
+
+
+SMALL_LIES = ("noise_0.1", "base_model")
+"""Fabrications the size of an engine's own noise: the honest values plus ~0.08 nats/token of noise, and the base
+model's logprobs while the adapter is still near zero. On a real model an honest bf16 engine is that far from the
+audit's fp32 recomputation too (docs/SECURITY.md), so no logprob comparison tells them apart from a half-precision
+engine: reported per class, and required caught (>= 99 %) of fp32 classes only."""
 
 
 def learned_tolerances(cfg, base: float, learn_batches: int, honest: dict, attacks: dict) -> dict:
@@ -327,7 +338,8 @@ def learned_tolerances(cfg, base: float, learn_batches: int, honest: dict, attac
     for cls, (stats, versions) in honest.items():
         kind, dtype = cls.split("/")
         policy = AuditPolicy(base, margin=cfg.audit_margin, learn_batches=learn_batches,
-                             learn_tolerance=cfg.audit_learn_tolerance, quarantine_passes=cfg.audit_quarantine_passes,
+                             learn_tolerance=cfg.audit_learn_tolerance,
+                             learn_tolerance_half=cfg.audit_learn_tolerance_half, quarantine_passes=cfg.audit_quarantine_passes,
                              quarantine_strikes=cfg.audit_quarantine_strikes)
         rejected_learning = rejected_after = 0
         for stat, version in zip(stats, versions):
@@ -337,12 +349,12 @@ def learned_tolerances(cfg, base: float, learn_batches: int, honest: dict, attac
                 rejected_learning += learning
                 rejected_after += not learning
         tol_learned = None if policy.learning(dtype, kind) else policy.tolerance(dtype, kind)
-        judge_at = tol_learned if tol_learned is not None else policy.learn_tolerance
+        judge_at = tol_learned if tol_learned is not None else policy.ceiling(dtype)
         caught = {name: {"n": len(xs), "caught": sum(1 for x in xs if x > judge_at),
                          "rate": sum(1 for x in xs if x > judge_at) / len(xs) if xs else None}
                   for name, xs in attacks.items()}
         out[cls] = {"batches": len(stats), "learn_batches": learn_batches, "learned": tol_learned is not None,
-                    "tolerance": tol_learned, "ceiling": policy.learn_tolerance, "base": base,
+                    "tolerance": tol_learned, "ceiling": policy.ceiling(dtype), "base": base,
                     "honest_worst": max(stats) if stats else None,
                     "rejected_while_learning": rejected_learning, "rejected_after_learning": rejected_after,
                     "struck": policy.stats["strikes"], "caught": caught}

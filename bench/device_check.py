@@ -205,7 +205,7 @@ def run_generation_and_audit(result: dict, shape: str, ctx: dict, budget: Budget
     result["audit"].update(engine_class=f"transformers/{dtype_name}", batches=len(stats),
                            completions=len(stats) * group, mismatch=stats, worst=max(stats),
                            quantile_95=quantile(stats, LEARN_QUANTILE), base_tolerance=DEFAULT_TOLERANCE,
-                           learn_ceiling=policy.learn_tolerance, learned_tolerance=learned,
+                           learn_ceiling=policy.ceiling(dtype_name), learned_tolerance=learned,
                            passed_at_learned=sum(s <= learned for s in stats),
                            passed_at_base=sum(s <= DEFAULT_TOLERANCE for s in stats))
     del learner

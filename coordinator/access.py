@@ -242,6 +242,7 @@ class AccessControl:
         """True when `key` has accepted batches and no ban: its word weighs more than a fresh key's
         (coordinator/taskboard.py retirement)."""
         with self._lock:
+            self.banlist.refresh()  # an operator's ban weighs at once, before any request is checked (a resume)
             rec = self._ids.get(key)
             return rec is not None and rec.accepted > 0 and key not in self.banned and key not in self.banlist
 

@@ -11,11 +11,16 @@ bf16 GPU learner and measures ~0. So each class's tolerance is *learned from its
 
   * learning: the class's first `learn_batches` audited batches on a trained adapter (a version whose
     lora_B is not all zero; the zero adapter is the base model and hides the LoRA path's noise) are
-    all audited (probability 1) and judged against `learn_tolerance`, a conservative documented ceiling
-    (default 0.05 nats/token: above every honest engine measured, below every fabricated-logprob
-    attack measured, docs/SECURITY.md). A miss there rejects the batch and quarantines the key, but
-    never strikes. Every statistic is kept as a sample.
-  * learned: tolerance = clamp(margin x the `learn_quantile` quantile of the samples, base, learn_tolerance),
+    all audited (probability 1) and judged against the class's *ceiling*, a conservative documented
+    tolerance per dtype (`ceiling`): `learn_tolerance` for fp32 classes (default 0.05 nats/token) and
+    `learn_tolerance_half` for bf16/fp16 ones (default 0.2). Why two: a half-precision engine rounds its
+    logits (bf16 keeps 8 significant bits: +-0.06 at a logit of 30, and a pretrained model's logits are
+    that large), so its honest noise grows with the model's logit scale — measured worst 0.065
+    nats/token for transformers/bf16 on SmolLM2-135M-Instruct, while fp32 engines stay near 1e-5 there.
+    Both ceilings sit above every honest engine of their kind measured and below every fabricated-logprob
+    attack measured but small added noise (docs/SECURITY.md). A miss there rejects the batch and
+    quarantines the key, but never strikes. Every statistic is kept as a sample.
+  * learned: tolerance = clamp(margin x the `learn_quantile` quantile of the samples, base, ceiling),
     frozen from then on. Learning can only *tighten* the ceiling: a cheat who feeds the learning period
     gains at most what the learning period itself allows, and the quantile (not the max) means a few of
     his samples among honest ones move nothing.
@@ -48,7 +53,9 @@ from dataclasses import dataclass, field
 ENGINE_DTYPES = ("fp32", "bf16", "fp16")
 ENGINE_KINDS = ("transformers", "vllm")  # client engines' `name`; any other kind is judged as "other"
 MAX_KEYS = 100_000
-LEARN_TOLERANCE = 0.05  # nats/token: the conservative ceiling while a class learns (docs/SECURITY.md)
+LEARN_TOLERANCE = 0.05  # nats/token: the conservative ceiling while an fp32 class learns (docs/SECURITY.md)
+LEARN_TOLERANCE_HALF = 0.2  # nats/token: the same for bf16/fp16 classes (rounded logits; docs/SECURITY.md)
+HALF_DTYPES = ("bf16", "fp16")
 LEARN_QUANTILE = 0.95
 
 
@@ -88,10 +95,12 @@ class Judgement:
 class AuditPolicy:
     def __init__(self, base: float, *, margin: float = 3.0, quarantine_passes: int = 8, quarantine_strikes: int = 3,
                  gross_factor: float = 10.0, learn_batches: int = 0, learn_tolerance: float = LEARN_TOLERANCE,
-                 learn_quantile: float = LEARN_QUANTILE, on_event=None):
+                 learn_tolerance_half: float = LEARN_TOLERANCE_HALF, learn_quantile: float = LEARN_QUANTILE,
+                 on_event=None):
         self.base = base
         self.learn_batches = learn_batches
         self.learn_tolerance = max(learn_tolerance, base)
+        self.learn_tolerance_half = max(learn_tolerance_half, base)
         self.learn_quantile = learn_quantile
         self.engines: dict[str, EngineRecord] = {}  # engine class -> learning (bounded: few classes)
         self.on_event = on_event  # fn(event, **fields): a class starts or ends learning (metrics.jsonl)
@@ -109,13 +118,17 @@ class AuditPolicy:
         return cls(cfg.audit_tolerance, margin=cfg.audit_margin, quarantine_passes=cfg.audit_quarantine_passes,
                    quarantine_strikes=cfg.audit_quarantine_strikes,
                    learn_batches=cfg.audit_learn_batches if cfg.audit_calibrate else 0,
-                   learn_tolerance=cfg.audit_learn_tolerance)
+                   learn_tolerance=cfg.audit_learn_tolerance, learn_tolerance_half=cfg.audit_learn_tolerance_half)
+
+    def ceiling(self, engine_dtype: str) -> float:
+        """The tolerance a class of this dtype is judged by while it learns, and the most it can learn."""
+        return self.learn_tolerance_half if engine_dtype in HALF_DTYPES else self.learn_tolerance
 
     def tolerance(self, engine_dtype: str = "", engine_kind: str = "") -> float:
         cls = engine_class(engine_kind, engine_dtype) if self.learn_batches > 0 else ""
         if cls:
             rec = self.engines.get(cls)
-            return rec.tolerance if rec is not None and rec.tolerance is not None else self.learn_tolerance
+            return rec.tolerance if rec is not None and rec.tolerance is not None else self.ceiling(engine_dtype)
         return self.tolerances.get(engine_dtype, self.base)  # not said, or not calibrated: the strictest
 
     def learning(self, engine_dtype: str = "", engine_kind: str = "") -> bool:
@@ -127,10 +140,11 @@ class AuditPolicy:
         return rec is None or rec.tolerance is None
 
     def _learn(self, cls: str, stat: float, trained: bool, ok: bool) -> None:
+        ceiling = self.ceiling(cls.split("/")[1])
         rec = self.engines.get(cls)
         if rec is None:
             rec = self.engines[cls] = EngineRecord()
-            self._event("audit_engine_learning", engine=cls, needed=self.learn_batches, ceiling=self.learn_tolerance)
+            self._event("audit_engine_learning", engine=cls, needed=self.learn_batches, ceiling=ceiling)
         if not ok:
             rec.learning_misses += 1
         if not trained:
@@ -139,7 +153,7 @@ class AuditPolicy:
         rec.samples.append(float(stat))
         if len(rec.samples) >= self.learn_batches:
             q = quantile(rec.samples, self.learn_quantile)
-            rec.tolerance = min(self.learn_tolerance, max(self.base, self.margin * q))
+            rec.tolerance = min(ceiling, max(self.base, self.margin * q))
             rec.learned_at = time.time()
             self._event("audit_engine_learned", engine=cls, tolerance=rec.tolerance, samples=len(rec.samples),
                         quantile=q, worst=max(rec.samples), misses=rec.learning_misses)
@@ -204,7 +218,8 @@ class AuditPolicy:
         for cls, rec in sorted(self.engines.items()):
             done = rec.tolerance is not None
             out[cls] = {"state": "learned" if done else "learning", "samples": len(rec.samples),
-                        "needed": self.learn_batches, "tolerance": rec.tolerance if done else self.learn_tolerance,
+                        "needed": self.learn_batches,
+                        "tolerance": rec.tolerance if done else self.ceiling(cls.split("/")[1]),
                         "worst": max(rec.samples) if rec.samples else None,
                         "quantile": quantile(rec.samples, self.learn_quantile) if rec.samples else None,
                         "learning_misses": rec.learning_misses, "untrained": rec.untrained}
@@ -225,8 +240,9 @@ class AuditPolicy:
         for cls, e in (engines.items() if isinstance(engines, dict) else ()):
             try:
                 tol = e.get("tolerance")
+                ceiling = self.ceiling(cls.split("/")[-1])
                 rec = EngineRecord(samples=[float(x) for x in e.get("samples", [])][:max(self.learn_batches, 1)],
-                                   tolerance=None if tol is None else min(self.learn_tolerance, float(tol)),
+                                   tolerance=None if tol is None else min(ceiling, float(tol)),
                                    learning_misses=int(e.get("learning_misses", 0)), untrained=int(e.get("untrained", 0)),
                                    learned_at=float(e.get("learned_at", 0.0)))
             except (TypeError, ValueError, AttributeError):
@@ -239,7 +255,8 @@ class AuditPolicy:
     def status(self) -> dict:
         return {"tolerances": dict(self.tolerances), "calibration": dict(self.calibration),
                 "engines": self.engines_status(), "learn_batches": self.learn_batches,
-                "learn_tolerance": self.learn_tolerance, "learn_quantile": self.learn_quantile,
+                "learn_tolerance": self.learn_tolerance, "learn_tolerance_half": self.learn_tolerance_half,
+                "learn_quantile": self.learn_quantile,
                 "in_quarantine": sum(1 for r in self._keys.values() if r.passes_left > 0), **self.stats,
                 "quarantine_passes": self.quarantine_passes, "quarantine_strikes": self.quarantine_strikes,
                 "gross_factor": self.gross_factor, "margin": self.margin}

@@ -48,7 +48,7 @@ import random
 import shutil
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -268,8 +268,20 @@ class AdapterExport:
 
     lora: object             # protocol.messages.LoraSpec
     base_model: str          # adapter_config's base_model_name_or_path: the hub id, or the local directory
-    revision: str | None     # the pinned hub commit (PEFT's `revision`); None for a local directory
+    revision: str | None     # PEFT's `revision`: the pin (hub commit, or sha256:/gguf-sha256: content hash)
     pin: dict                # models.pinning.BasePin fields: `export --merge` verifies the base against them
+
+    @classmethod
+    def of_base(cls, lora, path: str, pin) -> "AdapterExport":
+        """For the base `pin` (models.pinning.BasePin) loaded from `path`: a hub model is named by its id at its
+        commit; a local directory or converted GGUF by its path, with its content-hash pin as the revision, so the
+        exported adapter still says exactly which base it was trained on (transformers ignores `revision` for a
+        local directory, so loading is unchanged)."""
+        from asyncrl.models import pinning
+
+        hub = pinning.is_commit_sha(pin.revision)
+        return cls(lora=lora, base_model=pin.name if hub else str(path), revision=pin.revision,
+                   pin=asdict(pin))
 
     def files(self, model) -> dict[str, bytes]:
         from peft import get_peft_model_state_dict

@@ -22,7 +22,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .config import CoordinatorConfig
+    from .config import TINY_PRESET, CoordinatorConfig
     from .loss_config import CORRECTIONS
 
     d = CoordinatorConfig()
@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--task-prompt-field", help="prompt field of JSONL / HF records (default 'prompt')")
     ckpt.add_argument("--task-answer-field", help="answer field of JSONL / HF records (default 'answer')")
     ckpt.add_argument("--task-reward", help="reward for records without a 'reward' field: a name or a weighted "
-                                            "sum 'accuracy+0.5*format' (default 'math'; 'exact' for the tiny model)")
+                                            f"sum 'accuracy+0.5*format' (default {d.task_reward!r}; "
+                                            f"{TINY_PRESET['task_reward']!r} for the tiny model)")
     ckpt.add_argument("--reward-weights", type=float, nargs="+", help="one weight per --task-reward name (TRL's "
                                                                       "reward_weights; default 1.0 each)")
     ckpt.add_argument("--chat-template", choices=["auto", "on", "off"], help="template dataset prompts (default auto)")

@@ -356,8 +356,11 @@ class CoordinatorConfig:
     audit_learn_batches: int = 32
     """Audited batches an engine class's tolerance is learned from (until then: audit_learn_tolerance, no strikes)."""
     audit_learn_tolerance: float = 0.05
-    """The conservative tolerance while a class learns, and the ceiling of what it learns (nats/token; never
+    """The conservative tolerance while an fp32 class learns, and the ceiling of what it learns (nats/token; never
     below audit_tolerance)."""
+    audit_learn_tolerance_half: float = 0.2
+    """The same for bf16/fp16 classes: a half-precision engine rounds its logits, so its honest noise grows with
+    the model's logit scale (worst 0.065 nats/token measured on SmolLM2-135M-Instruct; docs/SECURITY.md)."""
     audit_queue: int = 16
     """Accepted batches that may wait for their shadow-model audit at once (coordinator/audit_worker.py); when
     full, submits are refused with RATE_LIMITED (volunteers retry from their outbox: nothing is lost)."""
@@ -462,7 +465,8 @@ class CoordinatorConfig:
             (self.audit_margin >= 1.0, "audit_margin must be >= 1"),
             (self.audit_learn_batches >= 1, "audit_learn_batches must be >= 1"),
             (self.audit_queue >= 1, "audit_queue must be >= 1"),
-            (self.audit_learn_tolerance > 0, "audit_learn_tolerance must be > 0"),
+            (self.audit_learn_tolerance > 0 and self.audit_learn_tolerance_half > 0,
+             "audit_learn_tolerance and audit_learn_tolerance_half must be > 0"),
             (self.audit_quarantine_passes >= 1 and self.audit_quarantine_strikes >= 1,
              "audit_quarantine_passes and audit_quarantine_strikes must be >= 1"),
             (self.trust_state_every_s > 0, "trust_state_every_s must be > 0"),

@@ -6,7 +6,8 @@
     asyncrl-coordinator export --run-dir runs/r1 --out out/r1-adapter --push-to-hub me/qwen-gsm8k-lora
 
 Output, always an ordinary Hugging Face directory:
-  adapter   adapter_config.json (`base_model_name_or_path` + the pinned hub `revision`) and
+  adapter   adapter_config.json (`base_model_name_or_path` + `revision` = the pin: the hub commit, or the
+            content hash (`sha256:`/`gguf-sha256:`) of a local base, which transformers ignores when loading) and
             adapter_model.safetensors with PEFT's standard names — `PeftModel.from_pretrained(base, DIR)`,
             `AutoPeftModelForCausalLM.from_pretrained(DIR)` and vLLM's `LoRARequest(..., DIR)` load it
   --merge   the base model with the adapter merged in (`merge_and_unload`), written with `save_pretrained`,

@@ -137,8 +137,6 @@ class Coordinator:
         threading.Thread(target=call_back_then_push, args=(self.presence_tracker, self.pointer), name="call-back",
                          daemon=True).start()
 
-        from asyncrl.models import pinning
-
         from . import checkpoint
         from .ingest import Ingest
         from .journal import IngestJournal
@@ -148,7 +146,6 @@ class Coordinator:
         self.base = resolve_model(cfg, out=self.out)  # PinError (one line, exit 2) when it cannot be pinned
         path, pin = self.base.path, self.base.pin
         self.base_model, self.base_revision = pin.name, pin.revision
-        hub = pinning.is_commit_sha(pin.revision)  # a hub commit (else a local directory or a converted GGUF)
         self.out(f"base model {pin.name} pinned at {pin.revision} (tokenizer {pin.tokenizer_sha256[:19]}, "
                  f"stop tokens {list(pin.stop_token_ids)})")
         self.lora = messages.LoraSpec(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
@@ -228,6 +225,7 @@ class Coordinator:
                                    base_weights_sha256=pin.weights_sha256, tokenizer_sha256=pin.tokenizer_sha256,
                                    stop_token_ids=pin.stop_token_ids,
                                    max_context_tokens=preflight.context_needed(source, cfg.max_new_tokens))
+        self.providers.source = self.publisher  # what a seeder's service check must return (swarm/seeder_service.py)
         self.gate = checkpoint.Gate()  # lease/submit handlers vs. a checkpoint snapshot
         self.checkpoints = checkpoint.Checkpointing(
             self.run_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints, gate=self.gate, learner=self.learner,
@@ -235,9 +233,7 @@ class Coordinator:
             held=self.sync_round.held if self.sync_round is not None else None, auditor=self.auditor,
             identity=checkpoint.identity_meta(run_id=cfg.run_id, base_model=self.base_model,
                                               base_revision=self.base_revision, lora=self.lora),
-            export=checkpoint.AdapterExport(  # each checkpoint also holds a standard PEFT directory
-                lora=self.lora, base_model=pin.name if hub else path, revision=pin.revision if hub else None,
-                pin=dataclasses.asdict(pin)))
+            export=checkpoint.AdapterExport.of_base(self.lora, path, pin))  # + a standard PEFT directory
         if cfg.resume:
             info = self.checkpoints.resume()
             self.log.write("resume", **info)

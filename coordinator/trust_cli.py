@@ -44,8 +44,11 @@ def add_trust_arguments(parser: argparse.ArgumentParser, d) -> None:
     g.add_argument("--audit-learn-batches", dest="audit_learn_batches", type=int,
                    help=f"audited batches an engine class's tolerance is learned from (default {d.audit_learn_batches})")
     g.add_argument("--audit-learn-tolerance", dest="audit_learn_tolerance", type=float,
-                   help=f"tolerance while an engine class learns, no strikes; the ceiling of what it learns "
+                   help=f"tolerance while an fp32 engine class learns, no strikes; the ceiling of what it learns "
                         f"(default {d.audit_learn_tolerance})")
+    g.add_argument("--audit-learn-tolerance-half", dest="audit_learn_tolerance_half", type=float,
+                   help=f"the same for bf16/fp16 engine classes, whose rounded logits are noisier "
+                        f"(default {d.audit_learn_tolerance_half})")
     g.add_argument("--audit-queue", dest="audit_queue", type=int,
                    help=f"accepted batches waiting for their audit at most; then submits are RATE_LIMITED "
                         f"(default {d.audit_queue})")

@@ -23,7 +23,11 @@ once, for everyone, and signs the result:
                  (PointerRecord calls `on_publish`), re-issues them every few seconds (holders change as
                  peers finish; a shard index issued in the last TTL is re-issued too, so a reader of a
                  shard that no longer exists learns the new count), and names the peers the pointer is
-                 pushed to (`push_targets`).
+                 pushed to (`push_targets`). Seeders are chosen and dropped on measured service
+                 (swarm/seeder_service.py): right after a version is published each of its seeders is asked
+                 for one of its chunks as fetchers ask it; one that refuses at once, never answers, serves
+                 wrong bytes or keeps missing the wait leaves the record at once and for a doubling while;
+                 those that served rank first among the unproven.
   ProvidersCache volunteer side: the newest verified record of the shard its own peer id hashes to
                  (shard 0 until a record says how many there are), re-read at most every `max_age_s`, or
                  at once when a pointer names a newer version than the record (`ensure`). One small DHT
@@ -47,6 +51,7 @@ from asyncrl.protocol.errors import ProtocolError
 from asyncrl.protocol.identity import Identity
 
 from . import streams
+from .seeder_service import SERVICE_GRACE_S, SERVICE_WAIT_S, SeederService
 from .serving import chunk_request
 from .streams import stream_name
 
@@ -77,7 +82,9 @@ class _Probe:
 class ProviderDesk:
     def __init__(self, node, identity: Identity, run_id: str, tracker, *,
                  proven: Callable[[str], bool] = lambda peer: False, issue_every_s: float = ISSUE_EVERY_S,
-                 clock=time.monotonic):
+                 source=None, clock=time.monotonic):
+        """`source`: what the coordinator serves (anything whose `get(version)` has `.chunks`, e.g. the
+        Publisher): the bytes a seeder's service check must return; None = no checks until it is set."""
         self.node, self.identity, self.run_id = node, identity, run_id
         self.tracker = tracker  # swarm/records.py PresenceTracker: .records()
         self.proven = proven
@@ -92,6 +99,10 @@ class ProviderDesk:
         self._stop = threading.Event()
         self.stats = {"probes": 0, "probe_failures": 0, "issued": 0, "issue_failures": 0}
         self.last_record: swarm.ProvidersRecord | None = None
+        self.source = source
+        self.service = SeederService(node, run_id, clock=clock)
+        self._service_due = threading.Event()
+        self._checked_version = -1
 
     # ---- who is vouched for ---------------------------------------------------------------------
     def vouched(self, peer: str) -> bool:
@@ -107,6 +118,8 @@ class ProviderDesk:
         with self._lock:
             for peer in [p for p in self._probes if p not in records]:
                 del self._probes[peer]  # presence expired: forgotten (a new record starts afresh)
+        self.service.forget(lambda peer: peer in records)
+        with self._lock:
             due = [p for p, r in records.items() if r.serving and p != self.identity.peer_id
                    and self._probes.setdefault(p, _Probe()).next_probe <= now]
         due.sort(key=lambda p: (not self.proven(p), self._probes[p].failures))
@@ -156,13 +169,14 @@ class ProviderDesk:
         records = self.tracker.records()
         with self._lock:
             vouched = {p: v.vouched_at for p, v in self._probes.items() if v.vouched_at is not None}
-        out = [r for p, r in records.items() if p in vouched]
+        out = [r for p, r in records.items() if p in vouched and not self.service.excluded(p)]
         out.sort(key=lambda r: (not self.proven(r.peer_id), vouched[r.peer_id], r.peer_id))
         return out
 
     def _choose_seeders(self) -> tuple[str, ...]:
         fit = [r.peer_id for r in self._vouched_records()
                if r.serving and (r.upload_bps == 0 or r.upload_bps >= MIN_SEED_BPS)]
+        fit.sort(key=lambda p: (not self.proven(p), self.service.rank(p)))  # stable: then longest vouched
         return tuple(sorted(fit[:swarm.SEEDERS_PER_VERSION]))
 
     def on_publish(self, version: int) -> None:
@@ -174,7 +188,30 @@ class ProviderDesk:
                 seeders = self._choose_seeders()
                 with self._lock:
                     self._version, self._seeders = version, seeders
+                self._service_due.set()
             self._issue()
+
+    def check_service(self) -> dict[str, str]:
+        """Check the current version's seeders (once per version; blocking, bounded by the check's wait):
+        book each outcome and, when some are dropped, re-issue the record without them. Returns the outcomes."""
+        with self._lock:
+            version, seeders = self._version, self._seeders
+        held = self.source.get(version) if self.source is not None and version >= 0 else None
+        if held is None or version == self._checked_version or not seeders:
+            return {}
+        self._checked_version = version
+        chunks = list(held.chunks)
+        outcomes = self.node.loops.run(self.service.check(version, seeders, chunks),
+                                       timeout=SERVICE_WAIT_S + SERVICE_GRACE_S + 5)
+        dropped = {peer for peer, outcome in outcomes.items() if self.service.record(peer, outcome)}
+        if dropped:
+            with self._issue_lock:
+                with self._lock:
+                    if self._version != version:
+                        return outcomes  # a newer version chose its seeders already (without them)
+                    self._seeders = tuple(p for p in self._seeders if p not in dropped)
+                self._issue()
+        return outcomes
 
     def issue(self) -> bool:
         """Sign and store the current record (blocking DHT store). Until the first version, the seeders
@@ -225,10 +262,24 @@ class ProviderDesk:
     # ---- the loop -------------------------------------------------------------------------------
     def start(self) -> "ProviderDesk":
         threading.Thread(target=self._loop, name="provider-desk", daemon=True).start()
+        threading.Thread(target=self._service_loop, name="seeder-service", daemon=True).start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
+        self._service_due.set()
+
+    def _service_loop(self) -> None:
+        """Checks the newest version's seeders, one version at a time (a version published meanwhile is
+        the next one checked; those in between are not)."""
+        while not self._stop.is_set():
+            if not self._service_due.wait(1.0) or self._stop.is_set():
+                continue
+            self._service_due.clear()
+            try:
+                self.check_service()
+            except Exception:  # the loop may be briefly unhappy; the next version is checked
+                pass
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -242,8 +293,9 @@ class ProviderDesk:
     def status(self) -> dict:
         with self._lock:
             vouched = sum(1 for p in self._probes.values() if p.vouched_at is not None)
-            return {"vouched": vouched, "tracked": len(self._probes), "seeders": len(self._seeders),
-                    "version": self._version, **self.stats}
+            out = {"vouched": vouched, "tracked": len(self._probes), "seeders": len(self._seeders),
+                   "version": self._version, **self.stats}
+        return {**out, **self.service.status()}
 
 
 class ProvidersCache:

@@ -38,6 +38,7 @@ import inspect
 import json
 import math
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -233,13 +234,9 @@ def reward_shape(fn: RewardFn) -> str:
 def check_reward(name: str, fn: RewardFn, columns=None) -> str:
     """The reward's shape, or a RewardError naming what asyncrl cannot call it with. `columns`: the dataset
     columns a record passes (None: not known here, only the signature's own problems are checked)."""
-    try:
-        import torch
-
-        if isinstance(fn, torch.nn.Module):
-            raise RewardError(f"reward {name!r} is a model: reward models are not supported (only functions)")
-    except ImportError:
-        pass
+    torch = sys.modules.get("torch")  # a torch module exists only once torch is imported: checking costs no import
+    if torch is not None and isinstance(fn, torch.nn.Module):
+        raise RewardError(f"reward {name!r} is a model: reward models are not supported (only functions)")
     if isinstance(fn, str) or not callable(fn):
         raise RewardError(f"reward {name!r} is not a function ({type(fn).__name__}): reward models named by id "
                           "are not supported")

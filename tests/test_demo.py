@@ -32,6 +32,7 @@ def earlier_demo(tmp_path):
     run = tmp_path / "run"
     prepare_run_dir(run, overwrite=False)
     (run / "client-0").mkdir()
+    (run / "config.json").write_text('{"model": "tiny", "run_dir": "run"}')
     (run / "coordinator.key").write_bytes(b"k" * 32)
     record_coordinator_key(run)
     (run / "metrics.jsonl").write_text('{"event": "step"}\n')
@@ -58,6 +59,17 @@ def test_overwrite_never_deletes_what_the_demo_did_not_create(tmp_path):
     with pytest.raises(RunDirInUse, match="coordinator key the demo did not write"):
         prepare_run_dir(demo, overwrite=True)
     assert (demo / "coordinator.key").read_bytes() == b"x" * 32 and (demo / "metrics.jsonl").exists()
+
+
+def test_overwrite_never_deletes_a_real_run_started_later_in_the_demos_directory(tmp_path):
+    """`asyncrl-coordinator run --run-dir <the demo's dir>` reuses the demo's key and rewrites config.json: its
+    checkpoints are a real run's, and the next demo must not delete them."""
+    demo = earlier_demo(tmp_path)
+    (demo / "config.json").write_text('{"model": "Qwen/Qwen2.5-0.5B-Instruct", "run_dir": "run"}')
+    (demo / "checkpoints").mkdir()
+    with pytest.raises(RunDirInUse, match="a run the demo did not start"):
+        prepare_run_dir(demo, overwrite=True)
+    assert (demo / "checkpoints").is_dir() and (demo / "coordinator.key").read_bytes() == b"k" * 32
 
 
 def test_the_command_refuses_with_a_usage_status_and_starts_nothing(tmp_path):

@@ -156,6 +156,19 @@ def test_bans_and_strikes_survive_a_restart():
     assert e.value.code is RejectCode.MALFORMED
 
 
+def test_a_key_on_the_operators_banlist_is_not_proven_from_the_start(tmp_path):
+    """At a resume the coordinator weighs retirements (TaskBoard.recheck_retired) before any request has made it
+    read the banlist: a reporter the operator banned meanwhile must not count as proven then."""
+    ac = make()
+    ac.record_accepted(ALICE.public_key, ALICE.peer_id)
+    ac.record_accepted(BOB.public_key, BOB.peer_id)
+    banlist = tmp_path / "banlist.txt"
+    banlist.write_text(f"{ALICE.peer_id}  # colluded in poison reports\n")
+    fresh = make(banlist_path=str(banlist))
+    fresh.load_state(ac.state_bytes())
+    assert not fresh.has_accepted(ALICE.public_key) and fresh.has_accepted(BOB.public_key)
+
+
 def test_track_records_survive_a_restart():
     """Who is proven, and who delivers from its own peer, outlive a restart: after it, a copy of alice's request
     from another peer is still refused, and her reports still weigh as a proven key's."""

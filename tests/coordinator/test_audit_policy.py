@@ -101,10 +101,13 @@ def test_calibrated_tolerance_admits_honest_bf16_engines_and_still_catches_lies(
 
 # ---- tolerance learned per engine class (kind x dtype) ------------------------------------------------------------
 def test_a_new_engine_class_learns_its_tolerance_and_cannot_strike_meanwhile():
-    p = AuditPolicy(0.01, margin=3.0, learn_batches=4, learn_tolerance=0.05, quarantine_strikes=2)
+    p = AuditPolicy(0.01, margin=3.0, learn_batches=4, learn_tolerance=0.05, learn_tolerance_half=0.1,
+                    quarantine_strikes=2)
     assert engine_class("vllm", "bf16") == "vllm/bf16" and engine_class("sglang", "fp16") == "other/fp16"
     assert engine_class("", "bf16") == "unknown/bf16" and engine_class("vllm", "") == ""
-    assert p.learning("bf16", "vllm") and p.tolerance("bf16", "vllm") == 0.05  # the conservative ceiling
+    # the conservative ceiling of its dtype: half-precision engines round their logits, so theirs is higher
+    assert p.learning("bf16", "vllm") and p.tolerance("bf16", "vllm") == 0.1
+    assert p.tolerance("fp16", "other") == 0.1 and p.tolerance("fp32", "vllm") == 0.05
     assert p.tolerance("", "vllm") == 0.01 and not p.learning("", "vllm")  # no dtype said: the strictest, no learning
     for stat in (0.9, 0.9, 0.9):  # even gross misses while learning: rejected, quarantined, never struck
         j = p.judge(KEY, stat, "bf16", "vllm")
@@ -112,7 +115,7 @@ def test_a_new_engine_class_learns_its_tolerance_and_cannot_strike_meanwhile():
     assert p.judge(KEY, 0.012, "bf16", "vllm", trained=False).ok  # an untrained adapter's batch: judged, not a sample
     assert p.engines_status()["vllm/bf16"]["samples"] == 3 and p.engines_status()["vllm/bf16"]["untrained"] == 1
     assert p.judge(KEY, 0.004, "bf16", "vllm").ok  # 4th sample: learned from the quantile, capped at the ceiling
-    assert not p.learning("bf16", "vllm") and p.tolerance("bf16", "vllm") == 0.05
+    assert not p.learning("bf16", "vllm") and p.tolerance("bf16", "vllm") == 0.1
     assert p.learning("fp32", "vllm") and p.learning("bf16", "transformers")  # every class learns on its own
 
     q = AuditPolicy(0.01, margin=3.0, learn_batches=4, learn_tolerance=0.05)
@@ -127,8 +130,10 @@ def test_a_new_engine_class_learns_its_tolerance_and_cannot_strike_meanwhile():
     assert r.load_state(json.loads(json.dumps(q.state()))) == 1
     assert r.tolerance("fp32", "transformers") == q.tolerance("fp32", "transformers") and not r.learning("fp32", "transformers")
     assert r.load_state({"engines": {"x/y": {"tolerance": "nan?"}, "bad": 3}}) == 0  # torn entries are skipped
-    assert AuditPolicy(0.01, learn_batches=4, learn_tolerance=0.05).load_state(
-        {"engines": {"vllm/bf16": {"tolerance": 9.0, "samples": [1.0] * 4}}}) == 1  # never above the ceiling
+    s = AuditPolicy(0.01, learn_batches=4, learn_tolerance=0.05, learn_tolerance_half=0.1)
+    assert s.load_state({"engines": {"vllm/bf16": {"tolerance": 9.0, "samples": [1.0] * 4},
+                                     "vllm/fp32": {"tolerance": 9.0, "samples": [1.0] * 4}}}) == 2
+    assert (s.tolerance("bf16", "vllm"), s.tolerance("fp32", "vllm")) == (0.1, 0.05)  # never above its ceiling
 
 
 class KernelNoiseEngine:

@@ -255,3 +255,20 @@ def test_several_config_files_merge_in_order_and_flags_win(tmp_path, capsys):
     (tmp_path / "c.toml").write_text('group_size = "six"\n')
     assert cli.main(["run", "--dry-run", "--config", str(tmp_path / "a.toml"), "--config", str(tmp_path / "c.toml")]) == 2
     assert "c.toml" in capsys.readouterr().err  # the error names the files it came from
+
+
+def test_help_and_the_tasks_guide_state_the_configs_default_reward(capsys):
+    """docs/tasks.md and `run --help` say which reward a record without one gets: the config's default, and the
+    tiny model's preset."""
+    import re
+
+    from asyncrl.coordinator import cli
+    from asyncrl.coordinator.config import TINY_PRESET, CoordinatorConfig
+
+    want = (CoordinatorConfig().task_reward, TINY_PRESET["task_reward"])
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert re.search(r"--task-reward TASK_REWARD .*?\(default '(\w+)'; '(\w+)' for the tiny model\)", help_text).groups() == want
+    guide = " ".join((REPO / "docs/tasks.md").read_text().split())
+    assert re.search(r"default `task_reward`: `(\w+)`, or `(\w+)` under the tiny model", guide).groups() == want

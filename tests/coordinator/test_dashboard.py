@@ -162,12 +162,12 @@ def test_status_shows_each_engine_class_learning_its_audit_tolerance():
     the tolerance in force, and the batches it rejected while learning (docs/operator.md)."""
     from asyncrl.coordinator.audit_policy import AuditPolicy
 
-    policy = AuditPolicy(0.01, learn_batches=2, learn_tolerance=0.05)
+    policy = AuditPolicy(0.01, learn_batches=2, learn_tolerance=0.05, learn_tolerance_half=0.2)
     policy.judge(b"k", 0.9, "bf16", "vllm")  # a new kind's first batch: rejected, not struck, still learning
     for stat in (0.004, 0.006):
         policy.judge(b"k", stat, "fp32", "transformers")
     snap = StaticSwarm()()
     snap["audit"] = {"engines": policy.engines_status()}
     lines = admin.format_status(snap).splitlines()
-    assert "audit engine vllm/bf16: learning (1/2 batches), tolerance 5.00e-02, 1 rejected while learning" in lines
+    assert "audit engine vllm/bf16: learning (1/2 batches), tolerance 2.00e-01, 1 rejected while learning" in lines
     assert "audit engine transformers/fp32: learned (2/2 batches), tolerance 1.80e-02" in lines

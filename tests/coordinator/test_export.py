@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -86,6 +87,26 @@ def test_checkpoint_holds_a_standard_peft_directory(trained):
     assert all(".lora_A.weight" in n or ".lora_B.weight" in n for n in names)
     cfg = json.loads((ckpt / "adapter" / "adapter_config.json").read_text())
     assert cfg["peft_type"] == "LORA" and cfg["r"] == LORA["r"] and cfg["base_model_name_or_path"] == trained["model"]
+    # A local base is pinned by its content hash, and the adapter says so (PEFT's `revision`), never null.
+    assert cfg["revision"] == trained["pin"].revision and cfg["revision"].startswith("sha256:")
+
+
+def test_an_export_of_a_local_base_names_its_pin_and_loads_from_its_own_config(trained, samples, tmp_path):
+    """`AutoPeftModelForCausalLM` reads base and revision from adapter_config.json: the content-hash revision
+    of a local base must not stop it loading the base from its directory."""
+    from peft import AutoPeftModelForCausalLM
+
+    from asyncrl.coordinator.export import export
+
+    out = tmp_path / "adapter"
+    export(trained["run"], out)
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    assert (cfg["base_model_name_or_path"], cfg["revision"]) == (trained["model"], trained["pin"].revision)
+    assert max_diff(AutoPeftModelForCausalLM.from_pretrained(str(out)).eval(), samples) < TF_TOL
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == \
+        {p.name: oct(0o666 & ~umask) for p in out.iterdir()}  # every file shareable, the safetensors one too
 
 
 def test_exported_adapter_loads_in_stock_peft_with_the_engines_logprobs(trained, samples, tmp_path):

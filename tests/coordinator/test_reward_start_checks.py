@@ -51,3 +51,17 @@ def test_declared_simple_reward_and_trl_form_start(task, capsys, monkeypatch):
 def test_dry_run_fails_for_a_task_file_that_does_not_exist(tmp_path, capsys):
     assert cli.main(["run", "--dry-run", "--task", str(tmp_path / "missing.jsonl")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_dry_run_checks_a_jsonl_task_without_importing_torch(tmp_path):
+    """`run --dry-run` is the check a reader runs first (docs/tasks.md): it validates every record and its
+    rewards from the config alone, so it answers without loading torch (as `--help` does)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "t.jsonl").write_text('{"prompt": "What is 2 + 3?", "answer": "5"}\n')
+    probe = ("import sys; from asyncrl.coordinator import cli; "
+             f"code = cli.main(['run', '--dry-run', '--task', {str(tmp_path / 't.jsonl')!r}]); "
+             "print('exit', code, 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert r.stdout.splitlines()[-1] == "exit 0 False", r.stdout + r.stderr

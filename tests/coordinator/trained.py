@@ -3,7 +3,6 @@ what the export and eval tests load with stock transformers + peft."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 
@@ -42,6 +41,5 @@ def trained_run(root: Path, lora: dict, *, b_scale: float = 0.15) -> dict:
                     board=board, ingest=ingest,
                     identity=checkpoint.identity_meta(run_id="r", base_model=pin.name, base_revision=pin.revision,
                                                       lora=spec),
-                    export=checkpoint.AdapterExport(lora=spec, base_model=str(model_dir), revision=None,
-                                                    pin=dataclasses.asdict(pin)))
-    return {"run": run, "model": str(model_dir), "learner": learner, "spec": spec}
+                    export=checkpoint.AdapterExport.of_base(spec, str(model_dir), pin))
+    return {"run": run, "model": str(model_dir), "learner": learner, "spec": spec, "pin": pin}

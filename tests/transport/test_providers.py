@@ -4,12 +4,14 @@ only for peers that answered, and fetchers plan only with what the signed record
 from __future__ import annotations
 
 import asyncio
+import struct
 import time
 
 from asyncrl.protocol import swarm
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import Identity
 from asyncrl.swarm import providers as providers_mod
+from asyncrl.swarm import seeder_service
 from asyncrl.swarm.fetch import MAX_PLAN_PEERS, PeerClock, ProviderView, SwarmFetcher
 from asyncrl.swarm.providers import ProviderDesk, ProvidersCache
 from asyncrl.swarm.serving import AdapterStore
@@ -401,3 +403,108 @@ def test_carried_presence_keeps_the_newest_record_and_the_per_shard_bound(monkey
     assert set(held) == {same[0].peer_id, same[1].peer_id}  # the shard is full with what was just read
     held, stamps = carry_presence(held, stamps, {same[2].peer_id: record(same[2], 61.0)}, now=10.0)
     assert len(held) == 2 and same[2].peer_id in held
+
+
+class ServingSwarm(ScriptedSwarm):
+    """Peers that pass the probe (a refusal in our framing) and then serve a version's chunks as scripted:
+    `serve` answer with the coordinator's bytes, `quick` refuse at once, `slow` hold the long poll to its end
+    and then refuse, `bad` answer other bytes, `tarpit` answer the probe and never a chunk request."""
+
+    def __init__(self, chunks, **kinds):
+        super().__init__(honest=[p for ps in kinds.values() for p in ps])
+        self.chunks, self.kinds = chunks, {p: k for k, ps in kinds.items() for p in ps}
+        self.asked: list[tuple[str, int, float]] = []  # (peer, chunk index, long poll s) of service checks
+
+    async def acall(self, peer, name, request, *, max_response_bytes):
+        version, index, wait_ms = struct.unpack(">QII", request) if len(request) == 16 else (None, None, 0)
+        if version is None or version == providers_mod.PROBE_VERSION:
+            return await super().acall(peer, name, request, max_response_bytes=max_response_bytes)
+        self.asked.append((peer, index, wait_ms / 1000))
+        kind = self.kinds[peer]
+        if kind == "serve":
+            return self.chunks[index]
+        if kind == "bad":
+            return b"x" + self.chunks[index][1:]
+        if kind == "slow":
+            await asyncio.sleep(wait_ms / 1000)
+        if kind == "tarpit":
+            await asyncio.sleep(3600)
+        raise ProtocolError(RejectCode.STALE_VERSION, "chunk not held")
+
+
+class Published:
+    def __init__(self, chunks):
+        self.chunks = chunks
+
+
+class Source:
+    def __init__(self, chunks):
+        self.chunks = chunks
+
+    def get(self, version):
+        return Published(self.chunks)
+
+
+def test_seeders_are_chosen_and_dropped_on_measured_service(monkeypatch):
+    monkeypatch.setattr(seeder_service, "SERVICE_WAIT_S", 0.4)
+    monkeypatch.setattr(seeder_service, "SERVICE_GRACE_S", 0.4)
+    now = [1000.0]
+    alice, bob, carol, quick, slow, bad, tarpit, dave = (Identity.generate() for _ in range(8))
+    chunks = [bytes([i]) * 100 for i in range(3)]
+    node = ServingSwarm(chunks, serve=[alice.peer_id, bob.peer_id, carol.peer_id, dave.peer_id],
+                        quick=[quick.peer_id], slow=[slow.peer_id], bad=[bad.peer_id], tarpit=[tarpit.peer_id])
+    records = {i.peer_id: presence(i, versions=(0,)) for i in (alice, bob, carol, quick, slow, bad, tarpit)}
+    desk = ProviderDesk(node, COORD, RUN, Tracker(records), proven=lambda p: p in (alice.peer_id, bob.peer_id),
+                        source=Source(chunks), clock=lambda: now[0])
+    desk.probe_round()
+    everyone = {i.peer_id for i in (alice, bob, carol, quick, slow, bad, tarpit)}
+    desk.on_publish(1)
+    assert set(desk.last_record.seeders) == everyone  # fewer proven volunteers than slots: unproven ones fill them
+    found = desk.check_service()
+    assert found == {alice.peer_id: "served", bob.peer_id: "served", carol.peer_id: "served", quick.peer_id: "quick",
+                     slow.peer_id: "slow", bad.peer_id: "bad", tarpit.peer_id: "failed"}
+    # each was long-polled for a chunk fetchers are assigned to it: seeders[(i + v) % n]
+    seeders = sorted(everyone)
+    assert {(p, i) for p, i, _ in node.asked} == {(p, ((pos - 1) % len(seeders)) % len(chunks))
+                                                  for pos, p in enumerate(seeders)}
+    assert {w for _, _, w in node.asked} == {0.4}
+    # dropped at once from this version's record; a single slow answer is only a miss
+    assert set(desk.last_record.seeders) == {alice.peer_id, bob.peer_id, carol.peer_id, slow.peer_id}
+    assert desk.check_service() == {}  # once per version
+    desk.on_publish(2)
+    assert set(desk.last_record.seeders) == {alice.peer_id, bob.peer_id, carol.peer_id, slow.peer_id}
+    assert desk.check_service()[slow.peer_id] == "slow"  # a second miss in a row: dropped
+    assert set(desk.last_record.seeders) == {alice.peer_id, bob.peer_id, carol.peer_id}
+    named = set(desk.last_record.seeders) | {h.peer_id for h in desk.last_record.holders} | set(desk.push_targets())
+    assert named.isdisjoint({quick.peer_id, slow.peer_id, bad.peer_id, tarpit.peer_id})  # in no record at all
+    assert desk.status()["seeders_dropped"] == 4
+    # after the back-off they may seed again; dropped again, they wait twice as long
+    now[0] += seeder_service.SERVICE_BACKOFF_S + 1
+    desk.on_publish(3)
+    assert quick.peer_id in desk.last_record.seeders
+    assert desk.check_service()[quick.peer_id] == "quick"
+    now[0] += seeder_service.SERVICE_BACKOFF_S + 1
+    desk.on_publish(4)
+    assert quick.peer_id not in desk.last_record.seeders
+    now[0] += seeder_service.SERVICE_BACKOFF_S
+    desk.on_publish(5)
+    assert quick.peer_id in desk.last_record.seeders
+
+
+def test_a_seeder_that_missed_gives_its_slot_to_one_not_measured_yet(monkeypatch):
+    monkeypatch.setattr(seeder_service, "SERVICE_WAIT_S", 0.4)
+    monkeypatch.setattr(swarm, "SEEDERS_PER_VERSION", 1)
+    carol, dave = sorted((Identity.generate() for _ in range(2)), key=lambda i: i.peer_id, reverse=True)
+    chunks = [b"c" * 100]
+    node = ServingSwarm(chunks, serve=[carol.peer_id], slow=[dave.peer_id])
+    desk = ProviderDesk(node, COORD, RUN, Tracker({i.peer_id: presence(i, versions=(0,)) for i in (carol, dave)}),
+                        source=Source(chunks))
+    desk.probe_round()  # both vouched in the same round: the lower peer id (dave's) comes first
+    desk.on_publish(1)
+    assert desk.last_record.seeders == (dave.peer_id,)
+    assert desk.check_service() == {dave.peer_id: "slow"}  # a miss: still vouched, ranked last
+    desk.on_publish(2)
+    assert desk.last_record.seeders == (carol.peer_id,)
+    assert desk.check_service() == {carol.peer_id: "served"}
+    desk.on_publish(3)
+    assert desk.last_record.seeders == (carol.peer_id,)
