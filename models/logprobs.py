@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .sampling import PROCESSED_BYTES_PER_LOGIT, TokenSampling
+from .sampling import PROCESSED_BYTES_PER_LOGIT, TokenSampling, process
 
 HEAD_CHUNK_BYTES = 256 * 1024 * 1024  # fp32 logits of one head chunk (about 441 tokens at a 151,936 vocabulary)
 UNSUPPORTED_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -100,8 +100,6 @@ def _processed(logits, sampling, targets):
     `sampling`. The sampled tokens are kept in the kept set (sampling.process `keep`)."""
     if sampling is None:
         return logits, None
-    from .sampling import process
-
     return process(logits, sampling, keep=targets)
 
 
@@ -128,7 +126,8 @@ def _generic_head(head, hidden, targets, inv_temp, vocab_limit=None, sampling=No
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(1, targets.unsqueeze(1)).squeeze(1) - lse
     with torch.no_grad():
-        entropy = lse - (torch.softmax(logits, dim=-1) * logits.nan_to_num(neginf=0.0)).sum(-1)
+        finite = logits if sampling is None else logits.nan_to_num(neginf=0.0)  # dropped ids: p = 0
+        entropy = lse - (torch.softmax(logits, dim=-1) * finite).sum(-1)
     return logp, entropy
 
 
