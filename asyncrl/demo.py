@@ -219,7 +219,7 @@ def _run(run: Path, *, clients: int, steps: int, json_out: str | None, t0: float
         return 128 + interrupted.signum if interrupted.signum is not None else EXIT_FAILED
     summary.update(wall_s=time.time() - t0, clients=clients, interrupted=interrupted.name,
                    client_versions_loaded=_client_versions(run, clients), exit_codes=kids.exit_codes())
-    from asyncrl.coordinator.plots import plot_run
+    from asyncrl.coordinator.operator.plots import plot_run
 
     plot_path = plot_run(run)
     summary["plot"] = str(plot_path) if plot_path else None

@@ -1,12 +1,12 @@
 """Honest bf16 engines against the audit, on the adapter versions a real run kept: is the tolerance wide enough?
 
-Owned by the trust work (issue 15). The start-up calibration (coordinator/audit.py `calibrate`) sees
+Owned by the trust work (issue 15). The start-up calibration (coordinator/trust/audit.py `calibrate`) sees
 256 completions of the *starting* policy, computed as a bf16 engine would (autocast); a run then trains
 for hours. This replays that gap: for version 0 and the last two versions kept in `<run-dir>/audit_versions/`
 (e.g. of `asyncrl demo --steps 400`), it calibrates on that version exactly as the coordinator does at
 start-up, then has a real bf16 `TransformersEngine` (weights and activations in bf16, as GPU engines run)
 generate `--batches` honest batches (4 prompts x 16 completions) and reports the audit statistic of each
-(`coordinator.audit.mismatch`) against that tolerance: median, p90, worst, how many would be rejected.
+(`coordinator.trust.audit.mismatch`) against that tolerance: median, p90, worst, how many would be rejected.
 `--versions` picks the kept versions (default: the last two). The `plain` rows redo it all with the
 statistic and calibration used before 2026-12-04 (plain per-completion mean, 64 calibration completions).
 
@@ -34,11 +34,11 @@ def main(argv=None) -> int:
 
     from asyncrl import tasks
     from asyncrl.client.engine import TransformersEngine
-    from asyncrl.coordinator import audit as audit_mod
-    from asyncrl.coordinator.audit import Auditor, stored_versions
     from asyncrl.coordinator.config_file import resolve_config
-    from asyncrl.coordinator.learner import Learner, TrainGroup
+    from asyncrl.coordinator.learner.learner import Learner, TrainGroup
     from asyncrl.coordinator.service import CALIBRATION_PROMPTS, CALIBRATION_TOKENS
+    from asyncrl.coordinator.trust import audit as audit_mod
+    from asyncrl.coordinator.trust.audit import Auditor, stored_versions
     from asyncrl.models import tinymodel
     from asyncrl.models.lora import export_lora, load_lora, tensors_from_bytes
     from asyncrl.protocol.messages import LoraSpec, SamplingParams

@@ -3,7 +3,7 @@
 Owned by the trust work (issue 7). One process, no network: the real `Learner` trains the built-in
 tiny model on the `repeat` task from batches an honest volunteer engine (`TransformersEngine`, fp32,
 loaded with the *published bf16* adapter, exactly as `asyncrl-client` does) generates; the real
-`Auditor` (coordinator/audit.py) recomputes logprobs. For every adapter version it measures:
+`Auditor` (coordinator/trust/audit.py) recomputes logprobs. For every adapter version it measures:
 
   honest      batches generated with version v, claimed v: the statistic on both audit paths —
               `shadow` (shadow model + the published bf16 LoRA: what older-version audits use) and
@@ -17,11 +17,11 @@ loaded with the *published bf16* adapter, exactly as `asyncrl-client` does) gene
   bf16_volunteer (probe) an honest volunteer running the base model in bf16 (GPU-style) — reported,
               not part of the pass/fail, since the default tolerance is calibrated for fp32 engines.
 
-The statistic is coordinator.audit.mismatch: the worst completion's trimmed mean |claimed - recomputed| per
+The statistic is coordinator.trust.audit.mismatch: the worst completion's trimmed mean |claimed - recomputed| per
 token. Output: max/quantiles of honest values, min of each attack, false-reject rate and catch rates
 at `--tolerance`, and the audit's cost as a fraction of learner time.
 
-Learned tolerances (coordinator/audit_policy.py): the honest batches of each engine class (fp32 and bf16
+Learned tolerances (coordinator/trust/audit_policy.py): the honest batches of each engine class (fp32 and bf16
 transformers engines here) go, in order, through the coordinator's own `AuditPolicy` with
 `--learn-batches`: its learning period, the tolerance it learns, and every later honest batch judged by
 it (misses, strikes); every attack is then judged against each class's learned tolerance.
@@ -73,10 +73,10 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     from asyncrl import tasks
     from asyncrl.client.engine import TransformersEngine
-    from asyncrl.coordinator.audit import Auditor, completion_logprobs, mismatch
     from asyncrl.coordinator.config_file import resolve_config
-    from asyncrl.coordinator.learner import Learner, TrainGroup
-    from asyncrl.coordinator.learner import collate_groups as collate
+    from asyncrl.coordinator.learner.learner import Learner, TrainGroup
+    from asyncrl.coordinator.learner.learner import collate_groups as collate
+    from asyncrl.coordinator.trust.audit import Auditor, completion_logprobs, mismatch
     from asyncrl.models import tinymodel
     from asyncrl.models.lora import export_lora
     from asyncrl.protocol.messages import LoraSpec, SamplingParams
@@ -332,7 +332,7 @@ engine: reported per class, and required caught (>= 99 %) of fp32 classes only."
 def learned_tolerances(cfg, base: float, learn_batches: int, honest: dict, attacks: dict) -> dict:
     """Each engine class's honest statistics, in order, through the coordinator's AuditPolicy (learning
     period, then its learned tolerance); then every attack judged against that tolerance."""
-    from asyncrl.coordinator.audit_policy import AuditPolicy
+    from asyncrl.coordinator.trust.audit_policy import AuditPolicy
 
     out = {}
     for cls, (stats, versions) in honest.items():

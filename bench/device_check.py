@@ -16,11 +16,11 @@ Sections, in this order (a section that would start past the budget is skipped a
                   with accumulation, gradient checkpointing on (the coordinator's default).
   generation      the transformers engine (client/engine.py) in bf16 with a trained-looking LoRA (random
                   lora_B) on the 1.5B shape: generated tokens/s.
-  audit           the audit's statistic (coordinator/audit.py `mismatch`) of those honest samples against the
+  audit           the audit's statistic (coordinator/trust/audit.py `mismatch`) of those honest samples against the
                   learner's own recomputation (bf16 base, fp32 LoRA, the published bf16 adapter): per batch,
                   and the tolerance the audit policy would learn for the class transformers/bf16
-                  (coordinator/audit_policy.py, fed through its public `judge`).
-  export          `export --merge`'s merge (coordinator/export.py `merge_adapter`: on the device, base dtype)
+                  (coordinator/trust/audit_policy.py, fed through its public `judge`).
+  export          `export --merge`'s merge (coordinator/operator/export.py `merge_adapter`: on the device, base dtype)
                   of that adapter into the 1.5B base, and writing the merged model.
   learner.large   the same as learner.small at the Qwen2.5-7B shape.
 `--smoke` runs the same sections on the CPU with the tiny model (both learner roles, a few rows) in fp32 (a CPU
@@ -123,12 +123,13 @@ def _trained_adapter(ctx: dict, shape: str):
     published: bf16 (specs, blobs) and tensors."""
     import torch
 
-    from bench.learner_throughput import SHAPES, model_path
     from asyncrl.coordinator.config import LORA_TARGETS
-    from asyncrl.coordinator.learner import Learner
-    from asyncrl.coordinator.loss import LossConfig
+    from asyncrl.coordinator.learner.learner import Learner
+    from asyncrl.coordinator.learner.loss import LossConfig
     from asyncrl.models.lora import export_lora, load_lora, tensors_from_bytes
     from asyncrl.protocol.messages import LoraSpec
+
+    from bench.learner_throughput import SHAPES, model_path
 
     spec = SHAPES[shape]
     lora = LoraSpec(r=spec["lora_r"], alpha=2.0 * spec["lora_r"], dropout=0.0, target_modules=LORA_TARGETS)
@@ -151,9 +152,9 @@ def run_generation_and_audit(result: dict, shape: str, ctx: dict, budget: Budget
     import torch
 
     from asyncrl.client.engine import TransformersEngine
-    from asyncrl.coordinator.audit import DEFAULT_TOLERANCE, is_trained, mismatch
-    from asyncrl.coordinator.audit_policy import LEARN_QUANTILE, AuditPolicy, quantile
-    from asyncrl.coordinator.learner import TrainGroup
+    from asyncrl.coordinator.learner.learner import TrainGroup
+    from asyncrl.coordinator.trust.audit import DEFAULT_TOLERANCE, is_trained, mismatch
+    from asyncrl.coordinator.trust.audit_policy import LEARN_QUANTILE, AuditPolicy, quantile
     from asyncrl.protocol.messages import SamplingParams
 
     smoke = ctx["smoke"]
@@ -219,8 +220,9 @@ def run_export(result: dict, shape: str, ctx: dict, budget: Budget) -> None:
 
     import torch
 
-    from asyncrl.coordinator.export import merge_adapter
+    from asyncrl.coordinator.operator.export import merge_adapter
     from asyncrl.models.lora import peft_config, standard_adapter_names
+
     from bench.learner_throughput import free_memory
 
     path, lora, tensors = ctx["adapter"]
@@ -293,10 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"device_check: missing {', '.join(missing)}: pip install {' '.join(missing)}", file=sys.stderr)
         return 2
     _importable_checkout()
+    import peft
     import torch
     import transformers
-
-    import peft
 
     budget = Budget(a.budget_s or (170.0 if a.smoke else 480.0))
     json_out = Path(a.json_out)

@@ -3,7 +3,7 @@ next to one learner step on the same episodes (issue 41).
 
     .venv/bin/python -m bench.env_replay --json-out runs/bench/env_replay.json
 
-Timed (CPU seconds of this process, one thread): coordinator.episodes.rescore_episode_group — the whole
+Timed (CPU seconds of this process, one thread): coordinator.ingest.episodes.rescore_episode_group — the whole
 ingest check of a group: the environment reset, every model turn decoded and stepped, every environment
 turn rendered through the chat template, tokenized and compared, the reward recomputed — for
   echo        the built-in 3-turn game, the tiny model's tokenizer (no chat template);
@@ -28,8 +28,8 @@ if __package__ in (None, ""):
 import numpy as np  # noqa: E402
 
 from asyncrl import envs  # noqa: E402
-from asyncrl.coordinator.episodes import rescore_episode_group  # noqa: E402
-from asyncrl.coordinator.taskboard import Lease  # noqa: E402
+from asyncrl.coordinator.ingest.episodes import rescore_episode_group  # noqa: E402
+from asyncrl.coordinator.leasing.taskboard import Lease  # noqa: E402
 from asyncrl.envs.source import episode_prompt  # noqa: E402
 from asyncrl.protocol import messages  # noqa: E402
 
@@ -74,8 +74,8 @@ def run(args) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from asyncrl.coordinator.learner import Learner
-    from asyncrl.coordinator.loss import LossConfig
+    from asyncrl.coordinator.learner.learner import Learner
+    from asyncrl.coordinator.learner.loss import LossConfig
     from asyncrl.models import tinymodel
 
     path = str(tinymodel.write_tiny_model(tinymodel.default_tiny_model_dir()))

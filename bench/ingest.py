@@ -12,7 +12,7 @@ What is timed, all on this process's single thread (tokenizers' Rayon pool pinne
 not involved), in CPU seconds (`time.process_time`):
   signature   envelope.open_envelope: size, magic, Ed25519 over the exact bytes, audience, timestamp
   decode      messages.decode_rollout_batch: strict msgspec decode + shape/range validation
-  scoring     coordinator.ingest.rescore_group for every group: prompt tokens compared with the lease's,
+  scoring     coordinator.ingest.ingest.rescore_group for every group: prompt tokens compared with the lease's,
               finish reasons re-derived against the pinned stop set (Qwen's <|endoftext|>, <|im_end|>),
               every `exact` reward recomputed (decoding the completions whose printable-character lower
               bound allows a match: tasks.PrintableTable), the verified arrays handed on as TrainGroups
@@ -81,7 +81,7 @@ def make_batches(n: int, *, groups: int, completions: int, tokens: int, tokenize
     out = []
     for _ in range(n):
         leases = board.lease(volunteer.public_key, groups)
-        for lease in leases:  # as the LeaseDesk grants it (coordinator/leasing.py)
+        for lease in leases:  # as the LeaseDesk grants it (coordinator/leasing/leasing.py)
             lease.prompt_token_ids = np.asarray(encode_prompt(tokenizer, lease.prompt.text), dtype="<i4").tobytes()
         gs = []
         for lease in leases:
@@ -125,8 +125,8 @@ def cpu(fn, items) -> float:
 
 
 def run(args) -> dict:
-    from asyncrl.coordinator.ingest import Ingest, rescore_group
-    from asyncrl.coordinator.taskboard import TaskBoard
+    from asyncrl.coordinator.ingest.ingest import Ingest, rescore_group
+    from asyncrl.coordinator.leasing.taskboard import TaskBoard
 
     tokenizer = qwen_sized_tokenizer()
     coordinator, volunteer = Identity.generate(), Identity.generate()

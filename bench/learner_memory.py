@@ -55,7 +55,7 @@ def model_dir() -> Path:
 
 
 def make_groups(rows: int, seed: int = 0):
-    from asyncrl.coordinator.learner import TrainGroup
+    from asyncrl.coordinator.learner.learner import TrainGroup
 
     rng = random.Random(seed)
     groups = []
@@ -89,8 +89,8 @@ def child(rows: int, micro_batch_tokens: int, threads: int, gradient_checkpointi
     import torch
 
     from asyncrl.coordinator.config import LORA_TARGETS
-    from asyncrl.coordinator.learner import Learner, plan_micro_batches, rows_of
-    from asyncrl.coordinator.loss import LossConfig
+    from asyncrl.coordinator.learner.learner import Learner, plan_micro_batches, rows_of
+    from asyncrl.coordinator.learner.loss import LossConfig
     from asyncrl.models.lora import load_base_model, with_lora
     from asyncrl.protocol.messages import LoraSpec
 

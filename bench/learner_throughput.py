@@ -127,7 +127,7 @@ def step_flops(cfg, rows) -> dict[str, float]:
 
 def make_batches(n: int, spec: dict, vocab: int, seed: int):
     """Fixed random batches of TrainGroups (varied completion lengths so padding is real)."""
-    from asyncrl.coordinator.learner import TrainGroup
+    from asyncrl.coordinator.learner.learner import TrainGroup
 
     rng = random.Random(seed)
     batches = []
@@ -194,8 +194,8 @@ def learner_side(path: str, spec: dict, batches, *, device: str, dtype, micro_ba
     """`Learner.step` over `batches` (one warm-up step, then up to `steps`, stopping at `deadline` after at
     least one). Returns (figures, the learner's LoRA tensors); the learner is freed before returning."""
     from asyncrl.coordinator.config import LORA_TARGETS
-    from asyncrl.coordinator.learner import Learner
-    from asyncrl.coordinator.loss import LossConfig
+    from asyncrl.coordinator.learner.learner import Learner
+    from asyncrl.coordinator.learner.loss import LossConfig
     from asyncrl.protocol.messages import LoraSpec
 
     lora = LoraSpec(r=spec["lora_r"], alpha=2.0 * spec["lora_r"], dropout=0.0, target_modules=LORA_TARGETS)
@@ -227,7 +227,7 @@ def bare_batches(groups, pad_id: int, device: str, micro_batch_tokens: int) -> l
     """The learner's micro-batches of `groups` (same plan, same padding) as the bare loop needs them."""
     import torch
 
-    from asyncrl.coordinator.learner import collate_rows, plan_micro_batches, rows_of
+    from asyncrl.coordinator.learner.learner import collate_rows, plan_micro_batches, rows_of
 
     rows = rows_of(groups)
     rewards = torch.tensor([r.reward for r in rows])
@@ -310,7 +310,7 @@ def compare(shape: str, *, device: str, dtype, steps: int, batches: int, seed: i
     `gradient_checkpointing` None: the coordinator's default."""
     import torch
 
-    from asyncrl.coordinator.learner import rows_of
+    from asyncrl.coordinator.learner.learner import rows_of
 
     if gradient_checkpointing is None:
         gradient_checkpointing = coordinator_checkpointing()

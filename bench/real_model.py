@@ -60,7 +60,7 @@ DEFAULT_PARAMS = ("min_terms=2", "max_terms=2", "min_digits=1", "max_digits=2", 
 
 
 def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    from asyncrl.coordinator.evaluate import wilson as w
+    from asyncrl.coordinator.operator.evaluate import wilson as w
 
     lo, hi = w(k, n, z)
     return lo, hi
@@ -102,7 +102,7 @@ def model_dir(model: str) -> str:
 
 
 def eval_prompts(cfg, tokenizer, n: int):
-    from asyncrl.coordinator.evaluate import eval_prompts as prompts
+    from asyncrl.coordinator.operator.evaluate import eval_prompts as prompts
 
     return prompts(cfg, cfg, tokenizer, n)
 
@@ -111,7 +111,7 @@ def evaluate_base(cfg, a) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from asyncrl.coordinator.evaluate import greedy_eval
+    from asyncrl.coordinator.operator.evaluate import greedy_eval
     from asyncrl.models.pinning import stop_token_ids
 
     path = model_dir(cfg.model)
@@ -192,7 +192,7 @@ def swarm_curve(a, run_dir: Path, info: dict) -> list[dict]:
     """Checkpoints every `eval_every` steps and the last, evaluated by `asyncrl-coordinator eval`'s code (stock
     transformers + peft). The coordinator checkpoints every step, so a stop in the middle of a long step still
     leaves the one before it."""
-    from asyncrl.coordinator.evaluate import evaluate
+    from asyncrl.coordinator.operator.evaluate import evaluate
 
     steps = sorted({int(json.loads((p / "meta.json").read_text())["step"])
                     for p in (run_dir / "checkpoints").glob("step-*") if (p / "meta.json").is_file()})
@@ -216,8 +216,8 @@ def local_arm(a, cfg) -> dict:
 
     from asyncrl import tasks
     from asyncrl.client.engine import TransformersEngine
-    from asyncrl.coordinator.ddp import make_learner
-    from asyncrl.coordinator.learner import TrainGroup
+    from asyncrl.coordinator.learner.ddp import make_learner
+    from asyncrl.coordinator.learner.learner import TrainGroup
     from asyncrl.models.lora import export_lora
     from asyncrl.protocol.messages import LoraSpec, SamplingParams
     from asyncrl.tasks.sources import encode_prompt, open_source
@@ -261,7 +261,7 @@ def in_process_eval(engine, named_params: dict, cfg, a, prompts) -> dict:
     """The local arm's own evaluation: LoRA tensors put into the engine's PEFT model, then the same greedy code."""
     import torch
 
-    from asyncrl.coordinator.evaluate import greedy_eval
+    from asyncrl.coordinator.operator.evaluate import greedy_eval
 
     with torch.no_grad():
         own = dict(engine.model.named_parameters())
@@ -275,7 +275,7 @@ def checkpoint_params(run_dir: Path, step: int) -> dict:
     """A swarm checkpoint's LoRA tensors by in-model (PEFT) name: how the project itself loads them."""
     from safetensors.torch import load_file
 
-    from asyncrl.coordinator.export import find_checkpoint
+    from asyncrl.coordinator.operator.export import find_checkpoint
 
     return load_file(str(find_checkpoint(run_dir, step) / "adapter.safetensors"))
 

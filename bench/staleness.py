@@ -53,7 +53,7 @@ GOALS = {"k8_corrected_vs_k0": 0.90, "k32_corrected_vs_k0": 0.90, "k128_correcte
 def parse_arm(spec: str):
     """`name[:field=value;...]` -> (LossConfig, max_staleness). `max_staleness=N` is the learner's drop bound
     (default unlimited); every other field is a LossConfig field. Raises ValueError on an unknown field."""
-    from asyncrl.coordinator.loss import LossConfig
+    from asyncrl.coordinator.learner.loss import LossConfig
 
     name, _, rest = spec.partition(":")
     fields = {f.name for f in dataclasses.fields(LossConfig)} - {"correction", "max_completion_length"}
@@ -73,7 +73,7 @@ def parse_arm(spec: str):
 def build(seed: int, loss, lr: float, lora_r: int, max_staleness: int | None = None):
     from asyncrl.client.engine import TransformersEngine
     from asyncrl.coordinator.config import LORA_TARGETS
-    from asyncrl.coordinator.learner import Learner
+    from asyncrl.coordinator.learner.learner import Learner
     from asyncrl.models import tinymodel
     from asyncrl.protocol.messages import LoraSpec
 
@@ -102,7 +102,7 @@ def run_one(k: int, arm: str, seed: int, a) -> dict:
     import torch
 
     from asyncrl import tasks
-    from asyncrl.coordinator.learner import TrainGroup
+    from asyncrl.coordinator.learner.learner import TrainGroup
     from asyncrl.models.lora import export_lora
     from asyncrl.protocol.messages import SamplingParams
 
@@ -248,7 +248,7 @@ def plot(runs: dict, ks: list[int], arms: list[str], seeds: list[int], path: Pat
 
 
 def main(argv: list[str] | None = None) -> int:
-    from asyncrl.coordinator.loss import LossConfig
+    from asyncrl.coordinator.learner.loss import LossConfig
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json-out", default="runs/bench/staleness.json")

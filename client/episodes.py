@@ -6,7 +6,7 @@ episodes are sent to the engine as prompts of one sample each (their whole conte
 engine re-prefills it; vLLM's prefix cache reuses it), capped at each episode's own budget. The environment
 answers on this machine under its per-step time limit; an `EnvError` (it raised or hung) costs this lease
 only (client/worker.py abandons it), never the volunteer. The coordinator replays every episode
-(coordinator/episodes.py), so rewards here are the environment's, not a guess.
+(coordinator/ingest/episodes.py), so rewards here are the environment's, not a guess.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """LeaseKeeper: keeps the leases a volunteer is working on alive while its engine generates.
 
-A lease expires `lease_timeout_s` after its grant unless renewed (coordinator/taskboard.py `renew`). A
+A lease expires `lease_timeout_s` after its grant unless renewed (coordinator/leasing/taskboard.py `renew`). A
 1024-token group on a slow GPU can take longer than that, so while `Volunteer._work` generates, this
 thread sends renewal-only LeaseRequests (`max_prompts=0, renew=ids`) on the lease stream:
 

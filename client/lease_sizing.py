@@ -13,7 +13,7 @@ their G samples each fill the sequences the engine runs at once (vLLM's `max_num
 engine call serves a whole lease. The first lease, before any measurement, is a single prompt. A slow
 machine therefore takes less — never work that would expire or go stale — and a machine that cannot
 return even one prompt in time asks for nothing and reports its rate: the coordinator answers
-TOO_SLOW with the numbers (coordinator/leasing.py), and the volunteer stops with that message.
+TOO_SLOW with the numbers (coordinator/leasing/leasing.py), and the volunteer stops with that message.
 `--fixed-lease-size` turns this off (always `--prompts-per-batch`, no rate reported): the comparison
 the tests and benchmarks make.
 """

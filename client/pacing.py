@@ -5,7 +5,7 @@ part B); the volunteer hub (client/worker.py) calls `rest_after(busy_s, stop)` o
 
 IdleBackoff (issue 16, docs/scale.md): after an empty lease grant the hub waits `after_empty(retry)`
 seconds. The coordinator's `retry_after_s` decides (its waiting line puts volunteers with a record
-first and spreads the rest out, coordinator/leasing.py), jittered by +-20 % so that volunteers told the
+first and spreads the rest out, coordinator/leasing/leasing.py), jittered by +-20 % so that volunteers told the
 same thing do not come back in lock-step. A coordinator that names no retry (0: e.g. `--sync`, whose
 rounds open at each new version) gets the hub's own pause, doubled after each further empty grant up to
 MAX_IDLE_WAIT_S. Any grant with leases resets it.

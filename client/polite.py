@@ -18,7 +18,7 @@ detector that cannot see anything on this machine says so once and stays silent)
 The hub (client/worker.py) asks before each lease and, with --only-when-idle, between the prompts of
 a lease (it then generates one prompt at a time); when busy it uploads the groups it finished,
 *returns* the rest of its leases to the coordinator (a LeaseRequest with `release`, so they go to
-someone else at once instead of expiring: coordinator/taskboard.py `release`), and looks again every
+someone else at once instead of expiring: coordinator/leasing/taskboard.py `release`), and looks again every
 PAUSE_POLL_S until the machine is free.
 """
 

@@ -778,7 +778,7 @@ class Volunteer:
     def _release(self, leases: list[messages.TaskLease], reason: str | None, *, unscorable: bool = False,
                  reward_error: str = "") -> None:
         """Give leases back (a LeaseRequest with `release`): their prompts go to someone else now, instead
-        of waiting out the lease timeout (coordinator/taskboard.py `release`). With `unscorable` they are
+        of waiting out the lease timeout (coordinator/leasing/taskboard.py `release`). With `unscorable` they are
         leases whose groups our reward check could not score (`LeaseRequest.unscorable`): the coordinator
         counts them against the prompt and retires a prompt nobody can score. A lost answer is asked once
         more after RELEASE_RETRY_S, like a renewal (returning is idempotent: ids no longer held are ignored)."""
@@ -849,7 +849,7 @@ class Volunteer:
                 if is_episode_lease(lease):  # the environment scored its episodes as they were played
                     results.append((lease, group, [s.reward for s in group]))
                     continue
-                try:  # the coordinator re-scores with this same call (coordinator/ingest.py)
+                try:  # the coordinator re-scores with this same call (coordinator/ingest/ingest.py)
                     results.append((lease, group, tasks.score_group(prompt, texts, [s.token_ids for s in group],
                                                                    version=work.version).rewards))
                 except Exception as exc:  # noqa: BLE001 - a broken reward costs its group, not the volunteer

@@ -1,6 +1,6 @@
 """The run's base model, pinned (models/pinning.py) with the coordinator's one twist: a resumed run stays on the
 commit its checkpoint was trained on. Used by the hub (coordinator/service.py) and by DDP followers
-(coordinator/ddp.py), which must load exactly the files rank 0 pinned."""
+(coordinator/learner/ddp.py), which must load exactly the files rank 0 pinned."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ the components the hub hands in (this module never imports the hub). A checkpoin
         adapter.safetensors    trainable LoRA parameters, fp32, by PEFT name
         adapter/               the same adapter as a standard PEFT directory (adapter_config.json with the
                                pinned base + adapter_model.safetensors with standard names): what
-                               `PeftModel.from_pretrained` and vLLM's LoRARequest load (coordinator/export.py)
+                               `PeftModel.from_pretrained` and vLLM's LoRARequest load (coordinator/operator/export.py)
         optimizer.safetensors  AdamW state tensors ("state.<param index>.<key>")
         rng.safetensors        torch (and CUDA) RNG states
         seen_ids.bin           the ids of the batches in the ingest journal at snapshot time (32 bytes each)
@@ -30,12 +30,12 @@ published after the last checkpoint. A resumed run publishes `max(checkpoint, li
 as a keyframe (the codec's delta state is not carried over), so versions strictly increase and every
 volunteer can decode it.
 
-Exactly-once across a crash (with coordinator/journal.py): journalled batches trained as of the
+Exactly-once across a crash (with coordinator/ingest/journal.py): journalled batches trained as of the
 checkpoint are `seen_ids` minus `pending_ids` and are not replayed; batches acked after it are re-queued
 from the journal and their leases settled on the restored board; a batch whose lease was granted after
 the checkpoint and never accepted gets UNKNOWN_LEASE (its prompt is handed out again). Every accepted id
 (DUPLICATE_BATCH after resume) is in `<run_dir>/seen_ids.log`, appended incrementally by the trust-state
-thread (coordinator/ingest_books.py), plus the journal's own ids — so a checkpoint never copies the
+thread (coordinator/ingest/ingest_books.py), plus the journal's own ids — so a checkpoint never copies the
 whole seen set, whatever the run's length.
 """
 
@@ -264,7 +264,7 @@ class Checkpointer:
 
 @dataclass(frozen=True)
 class AdapterExport:
-    """What each checkpoint's standard PEFT directory says about its base (coordinator/export.py reads it)."""
+    """What each checkpoint's standard PEFT directory says about its base (coordinator/operator/export.py reads it)."""
 
     lora: object             # protocol.messages.LoraSpec
     base_model: str          # adapter_config's base_model_name_or_path: the hub id, or the local directory
@@ -328,7 +328,7 @@ def save(checkpointer: Checkpointer, *, gate: Gate, learner, board, ingest, iden
 
 def untrained_ids(ingest, held=None) -> set[bytes]:
     """Accepted batches not trained yet (a checkpoint's pending_ids: --resume re-queues them from the journal):
-    those waiting for their audit (coordinator/audit_worker.py), in the learner's queue, or held by the
+    those waiting for their audit (coordinator/trust/audit_worker.py), in the learner's queue, or held by the
     learner loop (`held()`, the --sync round's). Read in that order: a batch the audit worker passes on
     meanwhile is in the queue by the time the queue is read, so none falls between the two reads."""
     pending = set(ingest.awaiting_audit())
@@ -368,7 +368,7 @@ def restore(ckpt: Checkpoint, *, learner, board, ingest, journal, run_dir: Path,
     train-time audit was pending is checked by the learner's pass against the version it claims."""
     from asyncrl.protocol.envelope import ReplayGuard
 
-    from .ingest import AcceptedBatch, ClientStats
+    from .ingest.ingest import AcceptedBatch, ClientStats
 
     restore_learner(ckpt, learner)
     reloaded = auditor.load_persisted() if auditor is not None else 0

@@ -4,7 +4,7 @@
     asyncrl-coordinator run --model Qwen/Qwen2.5-0.5B-Instruct --port 31337 --announce /ip4/203.0.113.5/tcp/31337
     asyncrl-coordinator run --config configs/coordinator.example.toml --max-steps 0   # flags beat the file
     asyncrl-coordinator run --config configs/qwen2.5-1.5b-instruct.toml --task data/train.jsonl --dry-run
-    asyncrl-coordinator status --run-dir runs/demo      # also: keys, example-config (coordinator/admin.py)
+    asyncrl-coordinator status --run-dir runs/demo      # also: keys, example-config (coordinator/operator/admin.py)
 
 Config precedence: defaults < `--config` TOML < flags (coordinator/config_file.py). Every flag named
 after a config field defaults to None here, meaning "not given", so the file's value survives.
@@ -23,7 +23,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     from .config import TINY_PRESET, CoordinatorConfig
-    from .loss_config import CORRECTIONS
+    from .learner.loss_config import CORRECTIONS
 
     d = CoordinatorConfig()
     p = argparse.ArgumentParser(prog="asyncrl-coordinator", description="asyncrl coordinator: learner + publisher")
@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--oversized-records", choices=["error", "skip"],
                       help="a record too long for the model's context minus --max-new-tokens: stop (default) "
                            "or skip and count it")
-    loss = run.add_argument_group("loss (coordinator/loss.py names each variant and its source)")
+    loss = run.add_argument_group("loss (coordinator/learner/loss.py names each variant and its source)")
     loss.add_argument("--loss-type", default=d.loss.loss_type, choices=["grpo", "dr_grpo", "dapo"])
     loss.add_argument("--correction", default=d.loss.correction, choices=list(CORRECTIONS),
                       help="off-policy correction against the volunteers' sampling logprobs (docs/staleness.md "
@@ -170,13 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     ops.add_argument("--no-dashboard", dest="dashboard", action="store_const", const=False, default=d.dashboard)
     ops.add_argument("--report-to", type=lambda s: tuple(x for x in s.split(",") if x), default=d.report_to,
                      help="comma list of tensorboard, wandb, trackio (each must be installed)")
-    from .trust_cli import add_trust_arguments
+    from .trust.trust_cli import add_trust_arguments
 
     add_trust_arguments(run, d)  # access modes, rate limits, strikes, generation audit (docs/SECURITY.md)
     from .config_file import config_dests
 
     run.set_defaults(**{dest: None for dest in config_dests()})  # None = not given: the --config file wins
-    from .admin import add_subcommands
+    from .operator.admin import add_subcommands
 
     add_subcommands(sub)
     return p
@@ -210,12 +210,12 @@ def dry_run_task_problem(cfg) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command != "run":
-        from .admin import main as admin_main
+        from .operator.admin import main as admin_main
 
         return admin_main(args)
     from .config import TINY_MODELS, ConfigError
     from .config_file import load_configs, overrides_from_args, resolve_config
-    from .reporters import check_available
+    from .operator.reporters import check_available
 
     try:
         file_values, source = load_configs(args.config or [])
@@ -240,17 +240,15 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from .ddp import world
+    from .learner.ddp import world
     from .service import Coordinator, install_signal_handlers
 
     if world()[1] > 1 and world()[0] > 0:  # torchrun / accelerate: only rank 0 runs the network side
-        from .ddp import run_follower
-
         return run_follower(cfg, out=lambda s: print(s, flush=True))
     coord = Coordinator(cfg, out=lambda s: print(s, flush=True))
     install_signal_handlers(coord.stop)
     signal.signal(signal.SIGUSR1, lambda signum, frame: coord.telemetry.request_plot())
-    from .ddp import end_process, joined
+    from .learner.ddp import end_process, joined
 
     try:
         code = _serve(coord)
@@ -272,7 +270,7 @@ def _serve(coord) -> int:
     from asyncrl.tasks.sources import TaskSourceError
 
     from .checkpoint import CheckpointError
-    from .preflight import PreflightError
+    from .leasing.preflight import PreflightError
 
     try:
         coord.start()
@@ -288,6 +286,40 @@ def _serve(coord) -> int:
             coord.learner.close()  # DDP: release the other ranks
         coord.shutdown()
     print("summary " + json.dumps(summary), flush=True)
+    return 0
+
+
+def run_follower(cfg, out=print) -> int:
+    """Entry for ranks > 0 under torchrun: no network, no files; train what rank 0 broadcasts."""
+    import time
+    from pathlib import Path
+
+    from asyncrl.models import tinymodel
+    from asyncrl.protocol.messages import LoraSpec
+
+    from .base_model import resolve_model
+    from .learner.ddp import finish_rank, make_learner
+
+    if cfg.model in ("tiny", tinymodel.TINY_MODEL_NAME):  # rank 0 writes the tiny model; do not race it
+        marker = Path(tinymodel.default_tiny_model_dir()) / tinymodel.MARKER
+        deadline = time.time() + 600
+        while not marker.exists() and time.time() < deadline:
+            time.sleep(0.5)
+    path = resolve_model(cfg, out=out).path
+    lora = LoraSpec(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                    target_modules=tuple(cfg.lora_targets))
+    learner = make_learner(path, lora, **cfg.learner_kwargs())  # the same options as rank 0 (service.py)
+    if cfg.resume:
+        from .checkpoint import Checkpointer, CheckpointError, restore_learner
+
+        ckpt = Checkpointer(Path(cfg.run_dir) / "checkpoints", out=out).latest()
+        if ckpt is None:
+            raise CheckpointError(f"--resume: no checkpoint in {cfg.run_dir}/checkpoints")
+        restore_learner(ckpt, learner)
+    out(f"rank {learner.rank}/{learner.world}: following rank 0")
+    steps = learner.follow()
+    out(f"rank {learner.rank}: done after {steps} steps")
+    finish_rank(0)
     return 0
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .loss_config import LossConfig
+from .learner.loss_config import LossConfig
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TINY_MODELS = ("tiny", "asyncrl/tiny-qwen2")  # models/tinymodel.py TINY_MODEL_NAME
@@ -211,14 +211,14 @@ class CoordinatorConfig:
     keyframe_every: int = 10
     """Publish a full adapter (keyframe) every this many versions; deltas in between."""
     loss: LossConfig = field(default_factory=LossConfig)
-    """GRPO loss variant; coordinator/loss.py's docstring names each option and its source."""
+    """GRPO loss variant; coordinator/learner/loss.py's docstring names each option and its source."""
     sync: bool = False
     """Synchronous baseline (benchmarks only): each step waits for one batch from every live volunteer
     (one that asked for a lease within lease_timeout_s), all generated with the current adapter version,
     so the slowest volunteer gates every step. See docs/staleness.md."""
     wait_for_volunteers: int = 0
     """Grant no lease and take no optimizer step until this many distinct volunteers (by key) have asked for
-    work (0 = start with whoever comes). For sync baselines and small closed swarms: coordinator/quorum.py."""
+    work (0 = start with whoever comes). For sync baselines and small closed swarms: coordinator/leasing/quorum.py."""
 
     # checkpoints (coordinator/checkpoint.py)
     checkpoint_every: int = 50
@@ -251,13 +251,13 @@ class CoordinatorConfig:
     lease_timeout_s: float = 60.0
     """A lease not returned (or renewed) within this many seconds expires and its prompt goes to someone else."""
     lease_max_s: float = 3600.0
-    """Volunteers renew the leases they are working on (coordinator/taskboard.py): each renewal restarts
+    """Volunteers renew the leases they are working on (coordinator/leasing/taskboard.py): each renewal restarts
     lease_timeout_s, but a lease never lives longer than this after its grant (0 = no renewals)."""
     prompt_max_failures: int = 3
     """Retire a record (never lease it again, in any epoch) once this many distinct keys reported it
     unscorable (`LeaseRequest.unscorable`, or ingest's own check failing) with no group of it scored since:
     a poison prompt (a reward check that never finishes on it) is otherwise re-leased forever; silent
-    expiries never count (coordinator/taskboard.py; 0 = never retire)."""
+    expiries never count (coordinator/leasing/taskboard.py; 0 = never retire)."""
     max_inflight_groups: int = 0
     """Back-pressure: stop granting leases while leased-but-unreturned plus queued-but-untrained groups
     reach this. Keeps volunteers from racing ahead of the learner (whose backlog would only go stale);
@@ -266,7 +266,7 @@ class CoordinatorConfig:
     max_leases_per_client: int = 8
     """Most outstanding leases one volunteer may hold."""
     new_key_share: float = 0.25
-    """Fair share (coordinator/leasing.py): keys without an accepted batch may hold this share of the
+    """Fair share (coordinator/leasing/leasing.py): keys without an accepted batch may hold this share of the
     in-flight groups together while volunteers with a record are active (a crowd of fresh keys that
     lease and never deliver cannot starve them); volunteers with a record split all of it."""
     idle_retry_s: float = 2.0
@@ -315,7 +315,7 @@ class CoordinatorConfig:
     refused_client_versions: tuple[str, ...] = ()
     """Version gate: known-bad volunteer releases to refuse, with a message to upgrade (protocol/handshake.py)."""
 
-    # trust: volunteers are untrusted (coordinator/access.py, coordinator/audit.py, docs/SECURITY.md)
+    # trust: volunteers are untrusted (coordinator/trust/access.py, coordinator/trust/audit.py, docs/SECURITY.md)
     access_mode: str = "open"
     """"open": any key may contribute; "allowlist": only keys listed in allowlist_path."""
     allowlist_path: str = ""
@@ -347,12 +347,12 @@ class CoordinatorConfig:
     """A key with n accepted batches since its last strike is audited with probability max(audit_floor, 1/n)
     (always when n == 0); 1.0 audits every batch."""
     audit_tolerance: float = 0.01
-    """Reject when the worst completion's trimmed mean |claimed - recomputed| logprob per token (coordinator/audit.py
-    `mismatch`) exceeds this, for batches that do not say their engine dtype; the floor of every learned
-    engine tolerance (bench/audit_calibration.py)."""
+    """Reject when the worst completion's trimmed mean |claimed - recomputed| logprob per token
+    (coordinator/trust/audit.py `mismatch`) exceeds this, for batches that do not say their engine dtype; the floor
+    of every learned engine tolerance (bench/audit_calibration.py)."""
     audit_calibrate: bool = True
     """Learn each engine class's (kind x dtype) tolerance from its first audited batches on a trained adapter
-    (coordinator/audit_policy.py); False: every class gets audit_tolerance."""
+    (coordinator/trust/audit_policy.py); False: every class gets audit_tolerance."""
     audit_learn_batches: int = 32
     """Audited batches an engine class's tolerance is learned from (until then: audit_learn_tolerance, no strikes)."""
     audit_learn_tolerance: float = 0.05
@@ -362,7 +362,7 @@ class CoordinatorConfig:
     """The same for bf16/fp16 classes: a half-precision engine rounds its logits, so its honest noise grows with
     the model's logit scale (worst 0.065 nats/token measured on SmolLM2-135M-Instruct; docs/SECURITY.md)."""
     audit_queue: int = 16
-    """Accepted batches that may wait for their shadow-model audit at once (coordinator/audit_worker.py); when
+    """Accepted batches that may wait for their shadow-model audit at once (coordinator/trust/audit_worker.py); when
     full, submits are refused with RATE_LIMITED (volunteers retry from their outbox: nothing is lost)."""
     audit_device: str = ""
     """Where shadow-model audits run: "" = the learner's device (sharing its base weights; on CUDA on a stream

@@ -152,7 +152,7 @@ def _deep_merge(base: dict, top: dict) -> dict:
 def overrides_from_args(args) -> dict[str, Any]:
     """argparse namespace -> {field: value} for the flags that name config fields (flags left at their
     None default are "not given"); flags named after a LossConfig field go into the `loss` table."""
-    from .loss_config import LossConfig
+    from .learner.loss_config import LossConfig
 
     top = {f.name for f in dataclasses.fields(CoordinatorConfig)}
     nested = {f.name for f in dataclasses.fields(LossConfig)}
@@ -169,7 +169,7 @@ def overrides_from_args(args) -> dict[str, Any]:
 
 def config_dests() -> list[str]:
     """Every name a command-line flag may use to override a config field (see overrides_from_args)."""
-    from .loss_config import LossConfig
+    from .learner.loss_config import LossConfig
 
     return [f.name for f in dataclasses.fields(CoordinatorConfig)] + [f.name for f in dataclasses.fields(LossConfig)]
 

@@ -5,22 +5,22 @@ Components (each has one job; none references this hub):
   Publisher   adapter -> codec -> signed manifest + chunks; signed pointer stored in the DHT, all on the
               publisher thread (PublishWorker, newest wins): the learner only exports and hands over
   TaskBoard   prompt leases, expiry and re-leasing
-  LeaseDesk   (coordinator/leasing.py) who gets which prompts, with back-pressure on in-flight work
+  LeaseDesk   (coordinator/leasing/leasing.py) who gets which prompts, with back-pressure on in-flight work
   Ingest      verify + decode + re-score signed rollout batches; bounded queue to the learner
   Learner     GRPO steps on the LoRA adapter; owns the version counter
   RunLog      (asyncrl/runlog.py) metrics.jsonl in the run directory; summary.json at the end
-  Journal     (coordinator/journal.py) accepted batches on disk before their ack
-  ReceiptDesk (coordinator/receipts.py) a signed contribution receipt in every ack; receipts.bin
+  Journal     (coordinator/ingest/journal.py) accepted batches on disk before their ack
+  ReceiptDesk (coordinator/ingest/receipts.py) a signed contribution receipt in every ack; receipts.bin
   RunEnd      (coordinator/run_end.py) max_steps or `finish`: RUN_FINISHED, the final pointer, a short linger
   Checkpointing (coordinator/checkpoint.py) atomic checkpoints every N steps and at exit; --resume
-  Telemetry   (coordinator/telemetry.py) RunLog listener: stats, dashboard + /metrics, plots, trackers
-  AccessControl (coordinator/access.py) open/allowlist, bans, rate limits, quotas, strikes
-  Auditor     (coordinator/audit.py) logprob audit under the claimed adapter version (learner hook)
-  AuditWorker (coordinator/audit_worker.py) shadow-model audits after the ack, bounded queue, own thread/stream
-  TrustState  (coordinator/trust_state.py) trust.json, replay.bin, access.bin every few seconds
-  VolunteerQuorum (coordinator/quorum.py) --wait-for-volunteers N: no lease, no step before N keys are in
+  Telemetry   (coordinator/operator/telemetry.py) RunLog listener: stats, dashboard + /metrics, plots, trackers
+  AccessControl (coordinator/trust/access.py) open/allowlist, bans, rate limits, quotas, strikes
+  Auditor     (coordinator/trust/audit.py) logprob audit under the claimed adapter version (learner hook)
+  AuditWorker (coordinator/trust/audit_worker.py) shadow-model audits after the ack, bounded queue, own thread/stream
+  TrustState  (coordinator/trust/trust_state.py) trust.json, replay.bin, access.bin every few seconds
+  VolunteerQuorum (coordinator/leasing/quorum.py) --wait-for-volunteers N: no lease, no step before N keys are in
 
-P2P handlers: the unscoped `asyncrl.info` handshake (coordinator/handshake.py: versions and the version
+P2P handlers: the unscoped `asyncrl.info` handshake (coordinator/leasing/handshake.py: versions and the version
 gate, clock, run state, newest pointer, NAT dial-back); scoped by run id: `manifest` (version -> sealed manifest),
 `chunk` (version, index -> bytes), `lease` (sealed LeaseRequest -> LeaseGrant), `submit`
 (sealed RolloutBatch -> Ack). Handlers run on the P2P loop thread and push blocking work
@@ -39,22 +39,22 @@ from pathlib import Path
 
 from asyncrl.protocol import messages
 from asyncrl.protocol.atomic import read_json, write_json_atomic
-from asyncrl.protocol.handshake import package_versions as handshake_package_versions
 from asyncrl.protocol.errors import ProtocolError, RejectCode
+from asyncrl.protocol.handshake import package_versions as handshake_package_versions
 from asyncrl.protocol.identity import Identity
 from asyncrl.runlog import METRICS_FILE, RunLog
 from asyncrl.swarm import streams
 from asyncrl.swarm.streams import stream_name
 
 from .base_model import resolve_model
-from .capacity import CapacityMeter
 from .config import CoordinatorConfig
-from .episodes import environment_pin, replay_metrics
-from .leasing import MAX_LEASE_REQUEST_BYTES
-from .reward_log import reward_stats
+from .ingest.episodes import environment_pin, replay_metrics
+from .leasing.leasing import MAX_LEASE_REQUEST_BYTES
+from .operator.capacity import CapacityMeter
+from .operator.reward_log import reward_stats
 
 FINAL_POINTER_WAIT_S = 90.0  # at the run's end the publisher thread may still be storing the last version
-AUDIT_ENGINES_FILE = "audit_engines.json"  # each engine class's learned audit tolerance (coordinator/audit_policy.py)
+AUDIT_ENGINES_FILE = "audit_engines.json"  # each engine class's learned audit tolerance (trust/audit_policy.py)
 
 
 
@@ -82,17 +82,17 @@ class Coordinator:
         cfg.write(self.run_dir)
         self.identity, created = Identity.load_or_create(self.run_dir / "coordinator.key")
         self.identity.write_libp2p_identity(self.run_dir / "p2p.identity")
-        from .telemetry import Telemetry
+        from .operator.telemetry import Telemetry
 
         self.telemetry = Telemetry(cfg, self.run_dir, out=out)
         self.log = RunLog(self.run_dir / METRICS_FILE, listeners=[self.telemetry.observe])
         self.t0 = time.time()
         self.trained_by: dict[str, int] = {}  # volunteer key fingerprint -> groups trained on (this process)
-        # does the swarm keep the learner busy? how many more volunteers would? (coordinator/capacity.py)
+        # does the swarm keep the learner busy? how many more volunteers would? (coordinator/operator/capacity.py)
         self.capacity = CapacityMeter(samples_per_step=cfg.groups_per_step * cfg.group_size, group_size=cfg.group_size)
-        from .reward_log import RewardErrors
+        from .operator.reward_log import RewardErrors
 
-        self.reward_errors = RewardErrors()  # what volunteers' reward functions raised (coordinator/reward_log.py)
+        self.reward_errors = RewardErrors()  # what volunteers' reward functions raised (operator/reward_log.py)
         self.handshake_refusals = RewardErrors()  # volunteers turned away at the handshake (same shape of record)
         from .run_end import RunEnd
 
@@ -138,10 +138,10 @@ class Coordinator:
                          daemon=True).start()
 
         from . import checkpoint
-        from .ingest import Ingest
-        from .journal import IngestJournal
+        from .ingest.ingest import Ingest
+        from .ingest.journal import IngestJournal
+        from .leasing.taskboard import TaskBoard
         from .publisher import Publisher, PublishWorker
-        from .taskboard import TaskBoard
 
         self.base = resolve_model(cfg, out=self.out)  # PinError (one line, exit 2) when it cannot be pinned
         path, pin = self.base.path, self.base.pin
@@ -150,11 +150,11 @@ class Coordinator:
                  f"stop tokens {list(pin.stop_token_ids)})")
         self.lora = messages.LoraSpec(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                                       target_modules=tuple(cfg.lora_targets))
-        from .ddp import make_learner  # a DDP learner under torchrun (coordinator/ddp.py)
+        from .learner.ddp import make_learner  # a DDP learner under torchrun (coordinator/learner/ddp.py)
 
         self.learner = make_learner(path, self.lora, **cfg.learner_kwargs())  # device, dtype, micro-batches...
         self.initial_lora = self.learner.lora_parameters()
-        from . import preflight
+        from .leasing import preflight
 
         source = preflight.open_task(cfg, self.learner.tokenizer, self.learner.model.config)  # checked whole
         self.task_report = source.report
@@ -175,15 +175,15 @@ class Coordinator:
                                prompt_max_failures=cfg.prompt_max_failures,
                                records=source.report.records if source.report is not None else 0)
         self.journal = IngestJournal(self.run_dir / "journal")
-        from .access import AccessControl, AccessPolicy
-        from .audit import Auditor
+        from .trust.access import AccessControl, AccessPolicy
+        from .trust.audit import Auditor
 
         self.access = AccessControl(AccessPolicy.from_config(cfg))  # who may talk, how often; strikes, bans
         self.board.standing = self.access.has_accepted  # reports of proven keys weigh more (poison retirement)
         self.node.inbound.trusted = self.access.peer_has_accepted  # their requests may use the whole byte budget
         self.auditor = Auditor.from_config(cfg, self.learner)  # logprob audit; shares the learner's base weights
         self.auditor.policy.on_event = self._audit_event  # an engine class starts / ends learning its tolerance
-        from .receipts import ReceiptDesk
+        from .ingest.receipts import ReceiptDesk
 
         self.receipts = ReceiptDesk(self.identity, cfg.run_id, self.run_dir / "receipts.bin")  # signed proof per ack
         self.ingest = Ingest(identity_public_key=self.identity.public_key, run_id=cfg.run_id, board=self.board,
@@ -201,13 +201,13 @@ class Coordinator:
                              context_limit=getattr(self.learner.model.config, "max_position_embeddings", None))
         self.auditor.attach(self.ingest)
         self.sync_round = None
-        if cfg.sync:  # the synchronous baseline (benchmarks): coordinator/sync_round.py
-            from .sync_round import SyncRound
+        if cfg.sync:  # the synchronous baseline (benchmarks): coordinator/leasing/sync_round.py
+            from .leasing.sync_round import SyncRound
 
             self.sync_round = SyncRound(self.ingest, self.board, live_s=cfg.lease_timeout_s)
-        from .handshake import GatePolicy
-        from .leasing import LeaseDesk, LeasePolicy
-        from .quorum import VolunteerQuorum
+        from .leasing.handshake import GatePolicy
+        from .leasing.leasing import LeaseDesk, LeasePolicy
+        from .leasing.quorum import VolunteerQuorum
 
         self.quorum = VolunteerQuorum(cfg.wait_for_volunteers, on_event=self._quorum_event)
         self.lease_desk = LeaseDesk(LeasePolicy.from_config(cfg), audience=self.identity.public_key, board=self.board,
@@ -215,7 +215,7 @@ class Coordinator:
                                     current_version=lambda: self.publish_worker.published_version,
                                     sync_round=self.sync_round, quorum=self.quorum, gate=GatePolicy.from_config(cfg),
                                     on_reward_error=self._reward_error)
-        from .reward_log import CompletionLog
+        from .operator.reward_log import CompletionLog
 
         self.completion_log = CompletionLog(self.run_dir / "completions.jsonl", self.learner.tokenizer,
                                             every=cfg.log_completions_every, count=cfg.log_completions_count)
@@ -243,7 +243,7 @@ class Coordinator:
             learned = self.auditor.policy.load_state(read_json(self.run_dir / AUDIT_ENGINES_FILE, {}))
             if learned:
                 self.out("audit tolerance per engine class (resumed): " + _engines_line(self.auditor.engines_status()))
-        from .trust_state import TrustState
+        from .trust.trust_state import TrustState
 
         self.trust = TrustState(self.run_dir, ingest=self.ingest, access=self.access, auditor=self.auditor,
                                 lease_desk=self.lease_desk, engines_file=AUDIT_ENGINES_FILE,
@@ -290,7 +290,8 @@ class Coordinator:
 
     async def _announced_ports(self, peer: str) -> set[int]:
         """The TCP ports `peer`'s libp2p node announces (its identify addresses in our daemon's peer store): the
-        only ports a NAT dial-back may try besides the one it is seen connecting from (coordinator/handshake.py)."""
+        only ports a NAT dial-back may try besides the one it is seen connecting from
+        (coordinator/leasing/handshake.py)."""
         import re
 
         for info in await self.node.p2p.list_peers():
@@ -339,7 +340,7 @@ class Coordinator:
 
         from asyncrl.protocol.handshake import MAX_INFO_REQUEST_BYTES
 
-        from .handshake import GatePolicy, HandshakeDesk
+        from .leasing.handshake import GatePolicy, HandshakeDesk
 
         self.handshake = HandshakeDesk(run_id=cfg.run_id, gate=GatePolicy.from_config(cfg),
                                        window_s=cfg.timestamp_window_s, max_staleness=cfg.max_staleness,
@@ -375,7 +376,7 @@ class Coordinator:
         self.publish_worker.submit(export_version(self.learner, self.cfg.publish_dtype))
 
     def _on_published(self, record: dict) -> None:
-        self.lease_desk.versions.published()  # the publish interval sizes leases (coordinator/leasing.py)
+        self.lease_desk.versions.published()  # the publish interval sizes leases (coordinator/leasing/leasing.py)
         self.log.write("publish", **record)
 
     def _before_visible(self, export) -> None:
@@ -391,7 +392,7 @@ class Coordinator:
         cfg = self.cfg
         logged = 0
         self.quorum.wait(self.stop)  # --wait-for-volunteers: no step before N volunteers are in (returns at once by default)
-        waited = 0.0  # the learner's wait for data since its last step (coordinator/capacity.py)
+        waited = 0.0  # the learner's wait for data since its last step (coordinator/operator/capacity.py)
         while (not self.stop.is_set() and (cfg.max_steps == 0 or self.learner.steps < cfg.max_steps)
                and not self.run_end.requested()):
             if self.sync_round is not None:
@@ -543,7 +544,7 @@ class Coordinator:
 
     def contributors(self) -> list[dict]:
         """Who contributed what, publishable (names and key fingerprints, no addresses): accepted batches and
-        tokens as their signed receipts say (coordinator/receipts.py), and each one's share of the groups
+        tokens as their signed receipts say (coordinator/ingest/receipts.py), and each one's share of the groups
         the learner trained on in this process."""
         receipted = self.receipts.summary()
         with self.ingest.lock:

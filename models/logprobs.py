@@ -171,7 +171,7 @@ class TokenLogprobs:
 class CompletionScorer(nn.Module):
     """A causal LM (PEFT-wrapped or not) as one module: batch -> completion log-probs and entropies.
 
-    `batch` is `coordinator.learner.collate_rows` output: right-padded `ids`/`attn` [B, W], `prompt_lens`,
+    `batch` is `coordinator.learner.learner.collate_rows` output: right-padded `ids`/`attn` [B, W], `prompt_lens`,
     `comp_lens`, `temps` [B] and `mask` [B, Tmax]. Token j of row i is predicted by position
     prompt_len + j - 1."""
 

@@ -99,7 +99,7 @@ def seal(
 
 def sealed_size_bound(kind: str, payload_bytes: int) -> int:
     """The most bytes `seal` can produce for a payload of this size (header + body framing): start-up
-    checks size a batch against a byte cap with it (coordinator/preflight.py)."""
+    checks size a batch against a byte cap with it (coordinator/leasing/preflight.py)."""
     empty = _body_encoder.encode(EnvelopeBody(kind=kind, audience=BROADCAST, timestamp=0.0,
                                               nonce=bytes(NONCE_BYTES), payload=b""))
     return HEADER_BYTES + len(empty) + 4 + payload_bytes  # +4: a bin8 length header grows to at most bin32

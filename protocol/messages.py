@@ -224,7 +224,7 @@ class LeaseRequest(_Message):
     max_prompts: int
     adapter_version: int
     client_name: Name
-    # schema 2: leases still being worked on; each held one is extended (coordinator/taskboard.py `renew`).
+    # schema 2: leases still being worked on; each held one is extended (coordinator/leasing/taskboard.py `renew`).
     # A request with max_prompts = 0 only renews.
     renew: Annotated[tuple[Id, ...], msgspec.Meta(max_length=limits.MAX_GROUPS_PER_BATCH)] = ()
     client_version: Id = ""  # schema 2: the volunteer's asyncrl release (the coordinator's version gate)
@@ -234,7 +234,7 @@ class LeaseRequest(_Message):
     # The coordinator refuses TOO_SLOW when even one prompt cannot be back within `lease_budget_s`.
     seconds_per_prompt: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] = 0.0
     # schema 2: leases whose groups this volunteer could not score (its reward check did not finish): ended
-    # now, and counted against the prompt (poison prompts are retired: coordinator/taskboard.py)
+    # now, and counted against the prompt (poison prompts are retired: coordinator/leasing/taskboard.py)
     unscorable: Annotated[tuple[Id, ...], msgspec.Meta(max_length=limits.MAX_GROUPS_PER_BATCH)] = ()
     # schema 2: this volunteer's canary result for the version it loaded last (health, never a strike)
     canary: CanaryReport | None = None
@@ -255,7 +255,7 @@ class LeaseGrant(_Message):
     run_id: Id
     leases: Annotated[tuple[TaskLease, ...], msgspec.Meta(max_length=limits.MAX_GROUPS_PER_BATCH)]
     current_version: int
-    # schema 2: with no leases, when to ask again (coordinator/leasing.py FairShare); 0 = the client's own pause
+    # schema 2: with no leases, when to ask again (coordinator/leasing/leasing.py FairShare); 0 = the client's own pause
     retry_after_s: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_RETRY_AFTER_S)] = 0.0
     # schema 2: the answer to LeaseRequest.renew, one entry per id asked about
     renewed: Annotated[tuple[LeaseRenewal, ...], msgspec.Meta(max_length=limits.MAX_GROUPS_PER_BATCH)] = ()

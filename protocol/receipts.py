@@ -5,7 +5,7 @@ the coordinator's key — the key inside the join address's peer id — with the
 audience. So anyone who has the join address can check a volunteer's receipts offline: no coordinator,
 no network, no trust in the volunteer who shows them.
 
-    seal_receipt(identity, receipt)              coordinator side (coordinator/receipts.py issues them)
+    seal_receipt(identity, receipt)              coordinator side (coordinator/ingest/receipts.py issues them)
     open_receipt(sealed, coordinator_key=...)    verify one; only ProtocolError escapes
     verify_receipts(sealed_list, coordinator_key=...)   a whole ledger -> LedgerTotals (or the first error)
     export_document / parse_export               the portable file `asyncrl-client receipts --export` writes

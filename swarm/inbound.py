@@ -6,7 +6,7 @@ handler, passes one `InboundGate` (shared by all handlers of the node), cheapest
   1. streams: at most `max_streams` open at once, `max_streams_per_peer` of them per peer id
      (RATE_LIMITED; the request is only drained, at most `max_lingering` such streams at once, so that
      closing does not reset the refusal away: swarm/transport.py `_linger`);
-  2. the handler's own `admit(peer)` (coordinator/access.py: bans, per-peer token buckets);
+  2. the handler's own `admit(peer)` (coordinator/trust/access.py: bans, per-peer token buckets);
   3. the 8-byte frame header must arrive within `header_timeout_s` (DEADLINE_EXCEEDED);
   4. the announced length is checked against the handler's cap (PAYLOAD_TOO_LARGE) and then *reserved*
      in the node's global in-flight byte budget `max_inflight_bytes` before a body byte is read
@@ -109,7 +109,7 @@ class InboundGate:
 
     def __init__(self, limits: InboundLimits | None = None, trusted=None):
         self.limits = limits or InboundLimits()
-        self.trusted = trusted or (lambda peer: False)  # set by the owner (coordinator/access.py) once it exists
+        self.trusted = trusted or (lambda peer: False)  # set by the owner (coordinator/trust/access.py) once it exists
         self.inflight_bytes = 0
         self.untrusted_bytes = 0
         self.streams = 0

@@ -203,7 +203,7 @@ class ProviderDesk:
         chunks = list(held.chunks)
         outcomes = self.node.loops.run(self.service.check(version, seeders, chunks),
                                        timeout=SERVICE_WAIT_S + SERVICE_GRACE_S + 5)
-        dropped = {peer for peer, outcome in outcomes.items() if self.service.record(peer, outcome)}
+        dropped = {peer for peer, outcome in outcomes.items() if self.service.record(peer, outcome, self.proven(peer))}
         if dropped:
             with self._issue_lock:
                 with self._lock:

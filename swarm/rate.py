@@ -3,7 +3,7 @@
 `rate` tokens per second accumulate up to `burst`. Two ways to spend them:
 
   take(now, cost)     admission: spend `cost` if it is there and say yes, else spend nothing and say
-                      no (the coordinator's per-key / per-peer / first-contact limits, coordinator/access.py)
+                      no (the coordinator's per-key / per-peer / first-contact limits, coordinator/trust/access.py)
   reserve(cost, now)  pacing: always spend, running into debt, and return how long the caller must wait
                       before sending; concurrent senders queue up behind each other, so the long-run
                       rate never exceeds `rate` (a volunteer's `--max-upload-mbps`, swarm/serving.py)

@@ -12,7 +12,8 @@ lands) and compares the answer with its own bytes:
   served   the right bytes within the wait                         -> ranked first among unproven peers
   slow     "not yet" after holding at least half the wait          -> a miss; SLOW_MISSES_TO_DROP in a row drop it
   quick    "not yet" in less than half the wait (not serving)      -> dropped
-  failed   no answer within the wait + SERVICE_GRACE_S, or no handler -> dropped
+  failed   no answer within the wait + SERVICE_GRACE_S, or no handler -> dropped; for a volunteer with accepted
+           batches a miss (it may just be reconnecting, e.g. after a coordinator restart)
   bad      bytes that differ from the coordinator's                -> dropped
 
 A dropped peer leaves the current version's seeders at once (the record is re-issued without it) and is named
@@ -80,8 +81,9 @@ class SeederService:
             return 1
         return 0 if s.last == "served" else 2
 
-    def record(self, peer: str, outcome: str) -> bool:
-        """Book one check's outcome; True when it drops the peer."""
+    def record(self, peer: str, outcome: str, proven: bool = False) -> bool:
+        """Book one check's outcome; True when it drops the peer. `proven`: a volunteer with accepted batches,
+        for which a check that got no answer is a miss, not a drop."""
         now = self._clock()
         with self._lock:
             s = self._peers.setdefault(peer, _Service())
@@ -91,7 +93,7 @@ class SeederService:
             if outcome == "served":
                 s.served, s.misses, s.drops = s.served + 1, 0, 0
                 return False
-            if outcome == "slow":
+            if outcome == "slow" or (proven and outcome == "failed"):
                 s.misses += 1
                 if s.misses < SLOW_MISSES_TO_DROP:
                     return False

@@ -276,7 +276,7 @@ class SwarmNode:
     def serve(self, name: str, handler: Handler, *, max_request_bytes: int,
               admit: Callable[[str], None] | None = None, with_addr: bool = False) -> None:
         """`admit(peer_id)` (optional) runs before the request is read; its ProtocolError is the answer
-        (e.g. a banned or rate-limited peer: coordinator/access.py). Every stream passes this node's
+        (e.g. a banned or rate-limited peer: coordinator/trust/access.py). Every stream passes this node's
         InboundGate first (swarm/inbound.py: stream caps, read deadlines, the global byte budget).
         `with_addr`: the handler also gets the caller's multiaddr as this side sees it (the handshake's NAT check)."""
         on_stream = stream_handler(self.inbound, name, handler, max_request_bytes=max_request_bytes, admit=admit,

@@ -104,7 +104,7 @@ REWARDS: dict[str, RewardFn] = {"repeat": simple_reward(repeat_reward), "exact":
 BUILTIN = frozenset(REWARDS)
 
 
-# ---- scoring without decoding, where a reward allows it (the coordinator's re-scoring: coordinator/ingest.py) ----
+# ---- scoring without decoding, where a reward allows it (the coordinator's re-scoring: coordinator/ingest/) ----
 
 def printable_count(text: str) -> int:
     """Printable ASCII characters (! .. ~) in `text`: never whitespace, never merged away by decoding."""

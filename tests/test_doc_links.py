@@ -1,5 +1,5 @@
 """Every source file README.md and docs/ name exists: a path under one of the repository's folders ending in a
-source or document extension (`coordinator/export.py`, `configs/qwen2.5-1.5b-instruct.toml`, `docs/tasks.md`),
+source or document extension (`coordinator/operator/export.py`, `configs/qwen2.5-1.5b-instruct.toml`, `docs/tasks.md`),
 and every capitalised `NAME.md` (at the root or in docs/). A renamed module, or a guide citing a file that was
 never committed (an ARCHITECTURE.md kept outside the repository), fails here. Globs and placeholders
 (`*`, `<...>`) and what runs write (`.json`, `.png`, `runs/`) are not checked."""

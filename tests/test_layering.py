@@ -5,6 +5,11 @@
 
 Every top-level folder that installs is one subsystem under `asyncrl.` (pyproject's package-dir), so
 the folder list is the architecture diagram; benchmarks and test fixtures stay out of the package.
+
+Inside coordinator/ the same holds one level down (coordinator/__init__.py draws it):
+
+    learner, leasing  <-  trust  <-  ingest  <-  shared (config, checkpoint, publisher, ...)  <-  hub (cli, service)
+    shared  <-  operator  <-  hub                           only the hub imports operator surfaces
 """
 
 from __future__ import annotations
@@ -32,6 +37,21 @@ ALLOWED = {  # subsystem -> what of ours it may import ("root": the shared async
     "envs": {"protocol", "tasks"},
     "coordinator": {"protocol", "swarm", "models", "tasks", "envs", "root"},
     "client": {"protocol", "swarm", "models", "tasks", "envs", "root"},
+}
+
+
+# coordinator/'s parts -> the parts of coordinator/ each may import. A part is a sub-package (its folder
+# name), "hub" (coordinator/cli.py, service.py, __init__.py: they wire everything, nothing imports them) or
+# "shared" (every other coordinator/*.py: config, checkpoint, publisher, run_end, base_model).
+COORDINATOR_HUB = {"cli", "service", "__init__"}
+COORDINATOR_ALLOWED = {
+    "learner": set(),                                # the GRPO step knows groups of rows, not where they came from
+    "leasing": set(),
+    "trust": {"learner"},                            # the audit recomputes log-probs with the learner's code
+    "ingest": {"learner", "trust", "leasing"},       # TrainGroup, strike rules + audit worker, whose leases
+    "operator": {"shared"},                          # reads the config and the run's files, never a component
+    "shared": {"learner", "ingest", "trust", "leasing"},
+    "hub": {"learner", "ingest", "trust", "leasing", "operator", "shared"},
 }
 
 
@@ -109,6 +129,45 @@ def test_every_subsystem_is_a_top_level_folder():
 def test_layering(name):
     bad = {f: sorted(o - ALLOWED[name]) for f, o in subsystem_imports(name).items() if o - ALLOWED[name]}
     assert not bad, f"asyncrl.{name} may import only {sorted(ALLOWED[name]) or 'nothing of ours'}; found {bad}"
+
+
+def coordinator_part(module: str) -> str | None:
+    """The part of coordinator/ that `asyncrl.coordinator.<...>` belongs to; None for the package itself."""
+    parts = module.split(".")
+    if parts[:2] != ["asyncrl", "coordinator"] or len(parts) < 3:
+        return None
+    if (SUBSYSTEMS["coordinator"] / parts[2]).is_dir():
+        return parts[2]
+    return "hub" if parts[2] in COORDINATOR_HUB else "shared"
+
+
+def coordinator_imports() -> dict[str, tuple[str, set[str]]]:
+    """file -> (its part, the other parts of coordinator/ it imports)."""
+    folder = SUBSYSTEMS["coordinator"]
+    every = _imports_of_every_file()
+    found = {}
+    for path in sorted(folder.rglob("*.py")):
+        own = coordinator_part(_module_name(path, folder, "asyncrl.coordinator")) or "hub"
+        others = {p for m in every[path] if (p := coordinator_part(m)) not in (None, own)}
+        found[str(path.relative_to(REPO))] = (own, others)
+    return found
+
+
+def test_every_coordinator_sub_package_has_its_row_and_says_what_it_owns():
+    folder = SUBSYSTEMS["coordinator"]
+    subs = {d.name for d in folder.iterdir() if d.is_dir() and d.name != "__pycache__"}
+    assert subs == set(COORDINATOR_ALLOWED) - {"hub", "shared"}, "a new coordinator/ sub-package needs its row"
+    for name in sorted(subs):
+        init = folder / name / "__init__.py"
+        assert init.exists(), f"coordinator/{name}/ is not a package"
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and "Imports" in doc, f"coordinator/{name}/__init__.py must open with what it owns and imports"
+
+
+def test_coordinator_layering():
+    bad = {f: (own, sorted(o - COORDINATOR_ALLOWED[own])) for f, (own, o) in coordinator_imports().items()
+           if o - COORDINATOR_ALLOWED[own]}
+    assert not bad, f"file: (its part, parts of coordinator/ it may not import) {bad}; rules: {COORDINATOR_ALLOWED}"
 
 
 def test_the_import_reader_sees_relative_and_absolute_imports(tmp_path):

@@ -26,12 +26,12 @@ def main(argv=None) -> int:
 
     from asyncrl import tasks
     from asyncrl.client.engine import TransformersEngine
-    from asyncrl.coordinator.access import AccessControl, AccessPolicy
-    from asyncrl.coordinator.audit import Auditor
-    from asyncrl.coordinator.ddp import end_process, finish_rank, make_learner, world
-    from asyncrl.coordinator.ingest import Ingest
-    from asyncrl.coordinator.loss import LossConfig
-    from asyncrl.coordinator.taskboard import TaskBoard
+    from asyncrl.coordinator.ingest.ingest import Ingest
+    from asyncrl.coordinator.learner.ddp import end_process, finish_rank, make_learner, world
+    from asyncrl.coordinator.learner.loss import LossConfig
+    from asyncrl.coordinator.leasing.taskboard import TaskBoard
+    from asyncrl.coordinator.trust.access import AccessControl, AccessPolicy
+    from asyncrl.coordinator.trust.audit import Auditor
     from asyncrl.models import tinymodel
     from asyncrl.models.lora import export_lora
     from asyncrl.protocol import envelope, messages
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
                   audit=auditor.status(), cheater_strikes=access.strikes(cheater.public_key))
     with open(args.out, "w") as f:
         json.dump(result, f, default=str)
-    end_process(0)  # rank 0 too ends without the interpreter's teardown (coordinator/ddp.py)
+    end_process(0)  # rank 0 too ends without the interpreter's teardown (coordinator/learner/ddp.py)
     return 0
 
 

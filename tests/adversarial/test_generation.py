@@ -1,7 +1,7 @@
 """mallory vs the generation audit: completions that are not what the claimed adapter would produce.
 
 Rewards are right in every batch here (recomputed anyway), so only the logprob audit
-(coordinator/audit.py) can catch them. mallory's keys are new, so every batch of hers is audited: at
+(coordinator/trust/audit.py) can catch them. mallory's keys are new, so every batch of hers is audited: at
 ingest on the shadow model when she claims an older version, or on the learner's own forward pass
 (verdict after the ack, before any gradient) when she claims the current one.
 A claim older than max_staleness (16 here) is not audited at all (the learner drops such batches unread),
@@ -121,7 +121,7 @@ def far_held_version(swarm, mine: int) -> int:
     Only versions the audit store holds: a version the publisher superseded while queued (latest wins) is
     never published, so the window has gaps (a local run of 2026-12-06 chose v173, which never existed)."""
     now = swarm.current_version()
-    from asyncrl.coordinator.audit import stored_versions
+    from asyncrl.coordinator.trust.audit import stored_versions
 
     published = stored_versions(swarm.run / "audit_versions")
     held = [v for v in range(max(1, now - (MAX_STALENESS - 6)), now + 1) if v in published]
@@ -162,7 +162,7 @@ def audit_copy(swarm, version: int, missing_ok: bool = False) -> dict | None:
     visible, pruned a few seconds after it leaves the held window): read at once, judged later."""
     from safetensors.torch import load_file
 
-    from asyncrl.coordinator.audit import stored_version_path
+    from asyncrl.coordinator.trust.audit import stored_version_path
 
     path = stored_version_path(swarm.run / "audit_versions", version)
     try:
@@ -179,7 +179,7 @@ def claimed_version_mismatch(mallory, groups, tensors: dict) -> float:
     tensors, processed as her engine samples (ids past the tokenizer's length masked), compared with the
     logprobs she reported by the audit's own statistic (`audit.mismatch`)."""
     from asyncrl.client.engine import processed_logprobs
-    from asyncrl.coordinator.audit import mismatch
+    from asyncrl.coordinator.trust.audit import mismatch
     from asyncrl.models.lora import load_lora
 
     engine = mallory.engine

@@ -4,11 +4,12 @@ test, so a loaded machine slows both alike). Each row asserts the ratio >= HONES
 lost (the `attack` fixture) and 0 forged batches trained:
 
   * zero-byte requests overlapping other requests of the same peer (swarm/inbound.py): never INTERNAL;
-  * Sybil keys reporting every leased prompt unscorable (coordinator/taskboard.py): nothing is retired;
-  * a crowd of fresh keys waiting for room (coordinator/leasing.py FairShare): proven volunteers stay in front;
-  * copies of a volunteer's lease requests from other peers (coordinator/leasing.py): never leases on her key;
-  * her accepted payload re-sealed under another key (coordinator/receipts.py): no receipt of hers to a stranger;
-  * one peer flooding the handshake stream with dial-back requests (coordinator/handshake.py): answered at its
+  * Sybil keys reporting every leased prompt unscorable (coordinator/leasing/taskboard.py): nothing is retired;
+  * a crowd of fresh keys waiting for room (coordinator/leasing/leasing.py FairShare): proven volunteers stay in front;
+  * copies of a volunteer's lease requests from other peers (coordinator/leasing/leasing.py): never leases on her key;
+  * her accepted payload re-sealed under another key (coordinator/ingest/receipts.py): no receipt of hers to a stranger;
+  * unproven peers that fill seeder slots and serve nobody (swarm/seeder_service.py): dropped on measured service;
+  * one peer flooding the handshake stream with dial-back requests (coordinator/leasing/handshake.py): answered at its
     own rate, and honest doctor checks are still dialled back.
 """
 
@@ -25,6 +26,7 @@ from asyncrl.client.lease_keeper import LeaseKeeper
 from asyncrl.protocol import envelope, messages, receipts
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import Identity
+from asyncrl.runlog import read_events
 from asyncrl.swarm import streams
 from asyncrl.swarm.streams import stream_name
 
@@ -65,6 +67,13 @@ ROWS = {  # the table's rows (docs/SECURITY.md): what mallory does, and what sto
         "3 honest doctor checks (fresh peer ids) ask for theirs during the flood",
         "each peer id has its own handshake bucket (2/s, 20 at once) and its own dial-back allowance, and a "
         "dial-back goes only to ports the caller connects from or announces"),
+    "bad seeders": (
+        "3 peer ids of mallory's pass the coordinator's probe and announce they serve, so with 2 proven volunteers "
+        "they fill seeder slots: one refuses every chunk at once, one never answers (a tarpit), one holds every "
+        "long poll to its end, says \"not yet\", and drains chunks from the coordinator meanwhile",
+        "right after a version is published the coordinator asks each seeder for one of its chunks: one that "
+        "refuses at once, never answers or misses twice is dropped from the record at once and for a doubling "
+        "while; fetchers back each seeder off on their own"),
     "receipt fishing": (
         "a volunteer's accepted payload re-sealed under 3 keys of mallory's (same batch id), and copies of her "
         "envelope from a peer id of mallory's, round after round",
@@ -78,10 +87,15 @@ def open_row(attack, name: str):
     return attack(name, description, note=note)
 
 
-def honest_windows(swarm, step, pause_s: float = PAUSE_S) -> dict:
+def honest_windows(swarm, step, pause_s: float = PAUSE_S, begin=None) -> dict:
     """alice's and bob's acked batches per minute with and without the attack: PAIRS pairs of windows of
     WINDOW_S / PAIRS seconds each, first without, then with `step()` (one round of the attack) run again and
-    again, `pause_s` apart, on a thread of its own."""
+    again, `pause_s` apart, on a thread of its own.
+
+    `begin()`: an attack that cannot be paused (it changes what the coordinator remembers, e.g. whom it
+    chose as a seeder); it is called once, after all PAIRS baseline windows, and the PAIRS attack windows
+    follow. Then the two phases are not interleaved, and a change in the machine's load between them is not
+    evened out (the row says so with the load average)."""
     active, stop, errors = threading.Event(), threading.Event(), []
 
     def run():
@@ -96,18 +110,22 @@ def honest_windows(swarm, step, pause_s: float = PAUSE_S) -> dict:
     worker = threading.Thread(target=run, name="attack", daemon=True)
     worker.start()
     totals = {"baseline": [0, 0.0], "attack": [0, 0.0]}
+    spans: list[tuple[str, float, float]] = []  # (phase, wall-clock start, end) of each window
     try:
-        for _ in range(PAIRS):
-            for phase in ("baseline", "attack"):
-                if phase == "attack":
-                    active.set()
-                a0, t0 = swarm.acked(), time.monotonic()
-                stop.wait(WINDOW_S / PAIRS)  # a measurement window, not an ordering of events
-                totals[phase][0] += swarm.acked() - a0
-                totals[phase][1] += time.monotonic() - t0
-                active.clear()
-                if errors:
-                    raise errors[0]
+        order = ("baseline", "attack") * PAIRS if begin is None else ("baseline",) * PAIRS + ("attack",) * PAIRS
+        for i, phase in enumerate(order):
+            if phase == "attack":
+                if begin is not None and order[i - 1] == "baseline":
+                    begin()
+                active.set()
+            a0, t0, wall = swarm.acked(), time.monotonic(), time.time()
+            stop.wait(WINDOW_S / PAIRS)  # a measurement window, not an ordering of events
+            totals[phase][0] += swarm.acked() - a0
+            totals[phase][1] += time.monotonic() - t0
+            spans.append((phase, wall, time.time()))
+            active.clear()
+            if errors:
+                raise errors[0]
     finally:
         stop.set()
         worker.join(120)
@@ -116,7 +134,20 @@ def honest_windows(swarm, step, pause_s: float = PAUSE_S) -> dict:
     base, during = (60.0 * n / s for n, s in (totals["baseline"], totals["attack"]))
     return {"baseline_per_min": round(base, 1), "attack_per_min": round(during, 1),
             "ratio": round(during / base, 2) if base else 0.0, "baseline_acked": totals["baseline"][0],
-            "attack_acked": totals["attack"][0]}
+            "attack_acked": totals["attack"][0], "spans": spans}
+
+
+def trained_in(swarm, spans) -> dict:
+    """Per phase, the groups the learner trained and those it dropped as too stale, by its step events within
+    the windows `spans` (honest_windows): what acks alone do not show — an honest volunteer that generates with
+    an old adapter version is acked, and its groups are then dropped."""
+    out = {"baseline": [0, 0], "attack": [0, 0]}
+    for e in read_events(swarm.run, "step"):
+        for phase, t0, t1 in spans:
+            if t0 <= e["t"] < t1:
+                out[phase][0] += e.get("groups", 0)
+                out[phase][1] += e.get("dropped_stale", 0)
+    return out
 
 
 def code_of(fn, ok: str) -> str:
@@ -380,4 +411,118 @@ def test_a_handshake_flood_is_answered_at_its_peer_rate_and_honest_dial_backs_ar
     rec.note += f"; honest doctor dial-backs during the flood: {sum(reachable)} of {len(reachable)} reachable; {figures(w)}"
     assert codes.count("RATE_LIMITED") > codes.count("OK"), dict(Counter(codes))
     assert all(reachable), [c.info for c in checks]
+    assert_kept_pace(w)
+
+
+class BadSeeder:
+    """A node of mallory's that passes the coordinator's probe (it refuses the probe's version at once, as any
+    honest server does) and announces that it serves, so it can be chosen a seeder; then it serves nobody:
+    `quick` refuses every request at once, `tarpit` never answers one, `slow` holds every long poll to its end
+    and then says "not yet". It counts who asked it for what (probes left out)."""
+
+    def __init__(self, mallory, kind: str):
+        from asyncrl.swarm.records import PresenceBeacon
+
+        self.kind = kind
+        self.ident = Identity.generate()
+        self.node = mallory.own_node(self.ident)
+        self.asked: Counter = Counter()  # peer id -> manifest and chunk requests
+        self.closed = False  # a held request gives up (so none is pending when the node shuts down)
+        self.inflight = 0
+        for name, wait_at in ((streams.MANIFEST, 8), (streams.CHUNK, 12)):
+            self.node.serve(stream_name(RUN_ID, name), self._handler(wait_at), max_request_bytes=64)
+        self.beacon = PresenceBeacon(self.node, self.ident, RUN_ID, f"mallory-{kind}", lambda: {
+            "adapter_version": 0, "versions": [], "serving": True}, every_s=1.0)
+
+    def _handler(self, wait_at: int):
+        from asyncrl.swarm.providers import PROBE_VERSION
+
+        async def answer(request: bytes, peer: str) -> bytes:
+            if int.from_bytes(request[:8], "big") != PROBE_VERSION:
+                self.asked[peer] += 1
+                held = 120.0 if self.kind == "tarpit" else 0.0
+                if self.kind == "slow" and len(request) == wait_at + 4:
+                    held = min(10.0, int.from_bytes(request[wait_at:], "big") / 1000)
+                until = time.monotonic() + held
+                self.inflight += 1
+                try:
+                    while not self.closed and time.monotonic() < until:
+                        await asyncio.sleep(min(0.2, max(0.0, until - time.monotonic())))
+                finally:
+                    self.inflight -= 1
+            raise ProtocolError(RejectCode.STALE_VERSION, "chunk not held")
+        return answer
+
+
+def load_average() -> str:
+    import os
+
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def test_unproven_seeders_that_serve_nobody_are_dropped_on_measured_service(mallory, swarm, attack):
+    from asyncrl.protocol import swarm as records
+    from asyncrl.swarm.serving import chunk_request
+
+    rec = open_row(attack, "bad seeders")
+    seeders = [BadSeeder(mallory, kind) for kind in ("quick", "tarpit", "slow")]  # before the windows: our CPU
+    honest_peers = {Identity.load(d / "identity.key").peer_id for d in swarm.honest.values()}
+    slow = seeders[-1]
+    codes: list[str] = []
+    loads = [load_average()]
+
+    def begin():
+        for b in seeders:
+            b.beacon.start()
+
+    def drain():  # the slow seeder drains chunk 0 of the newest version, 4 requests at once
+        version = swarm.current_version()
+
+        async def one():
+            try:
+                await slow.node.acall(swarm.coordinator_peer, stream_name(RUN_ID, streams.CHUNK),
+                                      chunk_request(version, 0), max_response_bytes=4 << 20)
+                return "PACED"
+            except ProtocolError as exc:
+                return exc.code.value
+            except Exception:  # noqa: BLE001 - a stream p2pd dropped: no answer to count
+                return "CLOSED"
+
+        async def burst():
+            return await asyncio.gather(*(one() for _ in range(4)))
+        codes.extend(slow.node.loops.run(burst(), timeout=60))
+
+    try:
+        w = honest_windows(swarm, drain, begin=begin)
+        loads.append(load_average())
+        # the attack landed: the coordinator chose each of them a seeder and checked it ...
+        wait_for(lambda: all(b.asked[swarm.coordinator_peer] for b in seeders), 90,
+                 "the coordinator to choose and check each of mallory's seeders")
+
+        def names_none():  # ... and its record no longer names any of them
+            raw = mallory.node.get(records.providers_key(RUN_ID, swarm.coordinator_peer, 0))
+            if not isinstance(raw, bytes):
+                return None
+            record = records.check_providers(raw, coordinator_key=swarm.coordinator_key, run_id=RUN_ID, shard=0)
+            named = set(record.seeders) | {h.peer_id for h in record.holders}
+            return record if not named & {b.node.peer_id for b in seeders} else None
+        wait_for(names_none, 60, "a providers record naming none of mallory's seeders")
+    finally:
+        for b in seeders:
+            b.beacon.stop()
+            b.closed = True
+        wait_for(lambda: all(b.inflight == 0 for b in seeders), 30, "mallory's seeders to let go of held requests")
+    for c in codes:
+        rec.saw(c, rejected=c != "PACED")
+    for b in seeders:
+        rec.saw("DROPPED")
+    honest_asks = {b.kind: sum(n for p, n in b.asked.items() if p in honest_peers) for b in seeders}
+    checks = {b.kind: b.asked[swarm.coordinator_peer] for b in seeders}
+    groups = trained_in(swarm, w["spans"])
+    rec.note += (f"; requests alice and bob sent them: {honest_asks}; the coordinator's service checks: {checks}; "
+                 f"baseline windows first, then the attack's (a seeder's choice cannot be undone within a window); "
+                 f"load average {loads[0]} before, {loads[1]} after; {figures(w)}; groups the learner dropped as "
+                 f"too stale (an honest volunteer held back on an old version is acked, then dropped): "
+                 f"{groups['baseline'][1]} of {sum(groups['baseline'])} in the baseline windows, "
+                 f"{groups['attack'][1]} of {sum(groups['attack'])} during the attack")
     assert_kept_pace(w)

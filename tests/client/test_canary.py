@@ -13,17 +13,19 @@ import pytest
 import torch
 
 from asyncrl.client.engine import TransformersEngine
-from asyncrl.coordinator.access import AccessControl, AccessPolicy
-from asyncrl.coordinator.ingest_books import ClientStats
-from asyncrl.coordinator.leasing import LeaseDesk, LeasePolicy
+from asyncrl.coordinator.ingest.ingest_books import ClientStats
+from asyncrl.coordinator.leasing.leasing import LeaseDesk, LeasePolicy
+from asyncrl.coordinator.trust.access import AccessControl, AccessPolicy
 from asyncrl.models import tinymodel
 from asyncrl.models.canary import make_canary
 from asyncrl.models.lora import export_lora, load_base_model, with_lora
 from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.identity import Identity
 from asyncrl.tasks.sources import open_source
+
 from tests.client.test_base_pin import manifest_for
-from tests.client.test_pipeline import LeaseDesk as VolunteerDesk, pipelined_volunteer
+from tests.client.test_pipeline import LeaseDesk as VolunteerDesk
+from tests.client.test_pipeline import pipelined_volunteer
 
 LORA = messages.LoraSpec(4, 8.0, 0.0, ("q_proj", "v_proj"))
 
@@ -153,7 +155,7 @@ def test_a_failed_canary_is_recorded_and_shown_never_struck():
         def note_canary(self, signer, report):
             stats.note_canary(report)
 
-    from asyncrl.coordinator.taskboard import TaskBoard
+    from asyncrl.coordinator.leasing.taskboard import TaskBoard
 
     board = TaskBoard(open_source("repeat", seed=1), lease_timeout_s=60, max_leases_per_client=8)
     desk = LeaseDesk(LeasePolicy(run_id="r", group_size=4, prompts_per_lease=2, max_inflight_groups=8, window_s=300),

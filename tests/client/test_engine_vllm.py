@@ -63,7 +63,7 @@ def _recompute(model_dir: str, adapter, prompt: list[int], tokens: list[int], sa
     the batch's sampling knobs, collate_rows, the chunked CompletionScorer) with transformers+peft in fp32."""
     import torch
 
-    from asyncrl.coordinator.learner import TrainGroup, collate_rows, rows_of, sampling_knobs
+    from asyncrl.coordinator.learner.learner import TrainGroup, collate_rows, rows_of, sampling_knobs
     from asyncrl.models.logprobs import CompletionScorer
     from asyncrl.models.lora import load_base_model, load_lora, tensors_from_bytes, with_lora
     from asyncrl.protocol.messages import LoraSpec

@@ -12,8 +12,8 @@ import torch
 from asyncrl import envs
 from asyncrl.client.engine import Sample, TransformersEngine
 from asyncrl.client.episodes import episode_completion, generate_episodes
-from asyncrl.coordinator.ingest import Ingest
-from asyncrl.coordinator.taskboard import TaskBoard
+from asyncrl.coordinator.ingest.ingest import Ingest
+from asyncrl.coordinator.leasing.taskboard import TaskBoard
 from asyncrl.envs.source import episode_prompts
 from asyncrl.models import tinymodel
 from asyncrl.protocol import envelope, messages
@@ -122,7 +122,7 @@ def test_a_volunteer_without_the_runs_environment_does_not_start():
     import json
 
     from asyncrl.client.checks import FAIL, PASS, environment_check
-    from asyncrl.coordinator.episodes import environment_pin
+    from asyncrl.coordinator.ingest.episodes import environment_pin
 
     assert environment_check(Answered("")) is None  # a single-answer run
     assert environment_check(Answered(environment_pin("env:echo"))).status == PASS

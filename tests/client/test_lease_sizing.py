@@ -1,5 +1,5 @@
 """Work sized to the machine: the volunteer's request size from its measured rate (client/lease_sizing.py)
-and the coordinator's half — the same budget, a cap, and TOO_SLOW (coordinator/leasing.py)."""
+and the coordinator's half — the same budget, a cap, and TOO_SLOW (coordinator/leasing/leasing.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from asyncrl.client.lease_sizing import LeaseSizer
 from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import Identity
+
 from tests.coordinator.test_leasing import RUN, grant, make_desk, tokenizer  # noqa: F401 (fixture)
 
 

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from asyncrl.coordinator.access import AccessControl, AccessPolicy, parse_key_file
+from asyncrl.coordinator.trust.access import AccessControl, AccessPolicy, parse_key_file
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import Identity
 from asyncrl.swarm.rate import TokenBucket

@@ -8,10 +8,10 @@ import torch
 
 from asyncrl import tasks
 from asyncrl.client.engine import TransformersEngine
-from asyncrl.coordinator.audit import Auditor, mismatch, per_completion, shadow_model
 from asyncrl.coordinator.config import LORA_TARGETS
-from asyncrl.coordinator.learner import Learner, TrainGroup, sampling_knobs
-from asyncrl.coordinator.loss import LossConfig
+from asyncrl.coordinator.learner.learner import Learner, TrainGroup, sampling_knobs
+from asyncrl.coordinator.learner.loss import LossConfig
+from asyncrl.coordinator.trust.audit import Auditor, mismatch, per_completion, shadow_model
 from asyncrl.models import tinymodel
 from asyncrl.models.lora import export_lora
 from asyncrl.protocol.errors import ProtocolError, RejectCode

@@ -1,4 +1,4 @@
-"""Audit policy (coordinator/audit_policy.py): quarantine before strikes, tolerance per engine dtype, the
+"""Audit policy (coordinator/trust/audit_policy.py): quarantine before strikes, tolerance per engine dtype, the
 emulated calibration on the real tiny model against a real bf16 engine, and the tolerance each engine class
 learns from its own batches (an honest engine noisier than the emulation is never struck; lies still are)."""
 
@@ -11,11 +11,11 @@ import torch
 
 from asyncrl import tasks
 from asyncrl.client.engine import TransformersEngine
-from asyncrl.coordinator.audit import Auditor
-from asyncrl.coordinator.audit_policy import AuditPolicy, engine_class
 from asyncrl.coordinator.config import LORA_TARGETS
-from asyncrl.coordinator.learner import Learner, TrainGroup
-from asyncrl.coordinator.loss import LossConfig
+from asyncrl.coordinator.learner.learner import Learner, TrainGroup
+from asyncrl.coordinator.learner.loss import LossConfig
+from asyncrl.coordinator.trust.audit import Auditor
+from asyncrl.coordinator.trust.audit_policy import AuditPolicy, engine_class
 from asyncrl.models import tinymodel
 from asyncrl.models.lora import export_lora, tensors_from_bytes
 from asyncrl.protocol.errors import ProtocolError, RejectCode

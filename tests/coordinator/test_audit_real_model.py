@@ -5,7 +5,7 @@ A pretrained model's logits are peaked and large (20-30), so an engine's dtype n
 tiny random model the other audit tests use: a bf16 engine's rounded logits put it ~0.03 nats/token from the
 audit's fp32 recomputation (fp32 engines: ~1e-5). Everything here is the coordinator's own: the config it
 resolves for `--model smollm2-135m-instruct`, its learner (`make_learner`), `Auditor.from_config` (tolerance
-learned per engine kind x dtype, coordinator/audit_policy.py) and the `AuditWorker` that ingest hands a batch
+learned per engine kind x dtype, coordinator/trust/audit_policy.py) and the `AuditWorker` that ingest hands a batch
 claiming an older version to. The volunteers are the client's own engines loaded with the *published* (bf16)
 adapter tensors; each batch names its engine kind and dtype as `client/worker.py` does.
 
@@ -27,12 +27,12 @@ import torch
 
 from asyncrl.client.engine import TransformersEngine
 from asyncrl.client.worker import engine_dtype, engine_kind
-from asyncrl.coordinator.audit import Auditor
-from asyncrl.coordinator.audit_worker import AuditWorker
 from asyncrl.coordinator.config_file import resolve_config
-from asyncrl.coordinator.ddp import make_learner
-from asyncrl.coordinator.ingest import AcceptedBatch
-from asyncrl.coordinator.learner import TrainGroup
+from asyncrl.coordinator.ingest.ingest import AcceptedBatch
+from asyncrl.coordinator.learner.ddp import make_learner
+from asyncrl.coordinator.learner.learner import TrainGroup
+from asyncrl.coordinator.trust.audit import Auditor
+from asyncrl.coordinator.trust.audit_worker import AuditWorker
 from asyncrl.models.lora import export_lora
 from asyncrl.protocol import messages
 from asyncrl.protocol.errors import RejectCode

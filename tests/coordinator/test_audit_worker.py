@@ -1,4 +1,4 @@
-"""Audits off the critical path (coordinator/audit_worker.py): ingest acks a batch after the cheap checks and
+"""Audits off the critical path (coordinator/trust/audit_worker.py): ingest acks a batch after the cheap checks and
 its shadow-model audit runs afterwards on the audit worker; a batch reaches the learner's queue only once its
 audit passed, a failed one is never trained, and a full audit queue refuses (RATE_LIMITED, retryable) rather
 than dropping anything. Real keys, task board, journal, ingest and worker; the auditor is `GatedAuditor`,
@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from asyncrl import tasks
-from asyncrl.coordinator.access import AccessControl, AccessPolicy
 from asyncrl.coordinator.checkpoint import untrained_ids
-from asyncrl.coordinator.ingest import Ingest
-from asyncrl.coordinator.journal import IngestJournal
-from asyncrl.coordinator.taskboard import TaskBoard
+from asyncrl.coordinator.ingest.ingest import Ingest
+from asyncrl.coordinator.ingest.journal import IngestJournal
+from asyncrl.coordinator.leasing.taskboard import TaskBoard
+from asyncrl.coordinator.trust.access import AccessControl, AccessPolicy
 from asyncrl.models import tinymodel
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import Identity

@@ -1,11 +1,11 @@
-"""CapacityMeter (coordinator/capacity.py): the learner's idle fraction and the capacity rule against
+"""CapacityMeter (coordinator/operator/capacity.py): the learner's idle fraction and the capacity rule against
 hand-computed figures, with a fast and a deliberately slow volunteer (a fake clock: no wall time)."""
 
 from __future__ import annotations
 
 import pytest
 
-from asyncrl.coordinator.capacity import CapacityMeter, capacity_line
+from asyncrl.coordinator.operator.capacity import CapacityMeter, capacity_line
 
 
 class Clock:

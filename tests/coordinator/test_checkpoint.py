@@ -11,12 +11,12 @@ import torch
 
 from asyncrl import tasks
 from asyncrl.coordinator import checkpoint
-from asyncrl.coordinator.ddp_check import synthetic_groups
-from asyncrl.coordinator.ingest import Ingest
-from asyncrl.coordinator.journal import IngestJournal
-from asyncrl.coordinator.learner import Learner
-from asyncrl.coordinator.loss import LossConfig
-from asyncrl.coordinator.taskboard import TaskBoard
+from asyncrl.coordinator.ingest.ingest import Ingest
+from asyncrl.coordinator.ingest.journal import IngestJournal
+from asyncrl.coordinator.learner.ddp_check import synthetic_groups
+from asyncrl.coordinator.learner.learner import Learner
+from asyncrl.coordinator.learner.loss import LossConfig
+from asyncrl.coordinator.leasing.taskboard import TaskBoard
 from asyncrl.models import tinymodel
 from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.identity import Identity
@@ -181,9 +181,9 @@ def test_journal_keeps_arrays_as_bytes_and_reads_older_list_entries(tmp_path):
     bytes; an entry from before (lists inside the groups, no `arrays`) still reads."""
     import msgspec
 
-    from asyncrl.coordinator.ingest import AcceptedBatch
-    from asyncrl.coordinator.journal import JournalEntry
-    from asyncrl.coordinator.learner import TrainGroup, rows_of
+    from asyncrl.coordinator.ingest.ingest import AcceptedBatch
+    from asyncrl.coordinator.ingest.journal import JournalEntry
+    from asyncrl.coordinator.learner.learner import TrainGroup, rows_of
 
     rng = np.random.default_rng(0)
     groups = [TrainGroup([1, 2, 3], [rng.integers(0, 151_933, 510 + i, dtype=np.int64).astype("<i4") for i in range(3)],

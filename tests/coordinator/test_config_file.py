@@ -11,7 +11,7 @@ import pytest
 from asyncrl.coordinator.cli import build_parser
 from asyncrl.coordinator.config import ConfigError, CoordinatorConfig
 from asyncrl.coordinator.config_file import EXAMPLE_PATH, example_toml, load_toml, overrides_from_args, resolve_config
-from asyncrl.coordinator.loss import LossConfig
+from asyncrl.coordinator.learner.loss import LossConfig
 
 REPO = Path(__file__).resolve().parents[2]
 

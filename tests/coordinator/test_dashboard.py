@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from asyncrl.coordinator import admin
-from asyncrl.coordinator.dashboard import Dashboard
-from asyncrl.coordinator.metrics import RunStats, make_registry, volunteer_rows
-from asyncrl.coordinator.plots import PlotOnDemand, plot_run
+from asyncrl.coordinator.operator import admin
+from asyncrl.coordinator.operator.dashboard import Dashboard
+from asyncrl.coordinator.operator.metrics import RunStats, make_registry, volunteer_rows
+from asyncrl.coordinator.operator.plots import PlotOnDemand, plot_run
 from asyncrl.protocol.identity import Identity
 
 
@@ -160,7 +160,7 @@ def test_keys_show_and_create_but_never_overwrite(tmp_path, capsys):
 def test_status_shows_each_engine_class_learning_its_audit_tolerance():
     """What an operator sees when a new engine kind joins: its class, learning (samples of needed) or learned,
     the tolerance in force, and the batches it rejected while learning (docs/operator.md)."""
-    from asyncrl.coordinator.audit_policy import AuditPolicy
+    from asyncrl.coordinator.trust.audit_policy import AuditPolicy
 
     policy = AuditPolicy(0.01, learn_batches=2, learn_tolerance=0.05, learn_tolerance_half=0.2)
     policy.judge(b"k", 0.9, "bf16", "vllm")  # a new kind's first batch: rejected, not struck, still learning

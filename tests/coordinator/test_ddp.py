@@ -19,13 +19,13 @@ from safetensors.torch import load_file
 pytestmark = pytest.mark.integration
 
 LOSSES = ("grpo", "dr_grpo", "dapo")
-CHECK = ["-m", "asyncrl.coordinator.ddp_check", "--steps", "3", "--groups-per-step", "5", "--loss-types",
+CHECK = ["-m", "asyncrl.coordinator.learner.ddp_check", "--steps", "3", "--groups-per-step", "5", "--loss-types",
          ",".join(LOSSES), "--beta", "0.05"]
 
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    from asyncrl.coordinator import ddp_check
+    from asyncrl.coordinator.learner import ddp_check
 
     one = tmp_path_factory.mktemp("one") / "one.safetensors"
     assert ddp_check.main([*CHECK[2:], "--out", str(one)]) == 0
@@ -46,7 +46,7 @@ def test_two_gloo_processes_match_one(procs, tmp_path, one_process, parallel):
         assert moved > 1e-3, "training did not move the adapter"
         diff = max(float((a[k] - b[k]).abs().max()) for k in keys)
         assert diff <= 1e-3, (loss_type, diff)  # see ddp_check --atol: AdamW amplifies ~1e-9 gradients
-    assert subprocess.run([sys.executable, "-m", "asyncrl.coordinator.ddp_check", "--compare", str(one_process),
+    assert subprocess.run([sys.executable, "-m", "asyncrl.coordinator.learner.ddp_check", "--compare", str(one_process),
                            str(two)], capture_output=True).returncode == 0
     import json
 
@@ -66,7 +66,8 @@ def test_collectives_run_on_the_learner_device_and_survive_an_idle_rank_0(procs,
 
     out = tmp_path / "idle.safetensors"
     run = procs.start("torchrun", ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                                   "-m", "asyncrl.coordinator.ddp_check", "--steps", "2", "--groups-per-step", "4",
+                                   "-m", "asyncrl.coordinator.learner.ddp_check", "--steps", "2",
+                                   "--groups-per-step", "4",
                                    "--loss-types", "grpo", "--micro-batch-tokens", "64", "--device", "cpu",
                                    "--timeout-s", "4", "--idle-s", "8", "--out", str(out)])
     assert run.wait(300) == 0, run.log_path.read_text()[-3000:]

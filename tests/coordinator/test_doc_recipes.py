@@ -1,5 +1,5 @@
 """Every coordinator config in the guides starts as written: parsed and resolved exactly as `run --config`
-does, then its task opened through the coordinator's own start-up path (coordinator/preflight.py
+does, then its task opened through the coordinator's own start-up path (coordinator/leasing/preflight.py
 `open_task`). Only what cannot exist offline is replaced: a hub dataset by a local JSONL the test writes in
 that dataset's format, the hub model by Qwen's real tokenizer and chat template (tests/realshape.py, fetched by
 `make`) with a model config of Qwen2.5-0.5B's context, built in code."""
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from asyncrl import tasks
-from asyncrl.coordinator import preflight
 from asyncrl.coordinator.config_file import resolve_config
+from asyncrl.coordinator.leasing import preflight
 
 from tests.realshape import build_config, build_tokenizer
 

@@ -1,4 +1,4 @@
-"""Ingest verifies multi-turn episodes by replaying the environment (coordinator/episodes.py): an honest
+"""Ingest verifies multi-turn episodes by replaying the environment (coordinator/ingest/episodes.py): an honest
 calculator episode through the Qwen chat template is accepted; each lie about the environment's side is
 refused ENV_MISMATCH and strikes its signer; an environment that fails on our side drops the group unscored
 (no strike). Real keys, a real task board and ingest; the policy is scripted (no model)."""
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from asyncrl import envs
-from asyncrl.coordinator import episodes
-from asyncrl.coordinator.access import AccessControl, AccessPolicy
-from asyncrl.coordinator.ingest import Ingest
-from asyncrl.coordinator.taskboard import TaskBoard
+from asyncrl.coordinator.ingest import episodes
+from asyncrl.coordinator.ingest.ingest import Ingest
+from asyncrl.coordinator.leasing.taskboard import TaskBoard
+from asyncrl.coordinator.trust.access import AccessControl, AccessPolicy
 from asyncrl.envs.source import episode_prompts
 from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.identity import Identity
@@ -165,7 +165,7 @@ def test_ingest_spells_the_environment_prefix_as_envs_does():
 
 
 def test_replay_time_reaches_the_metrics(tokenizer):
-    from asyncrl.coordinator.metrics import RunStats
+    from asyncrl.coordinator.operator.metrics import RunStats
 
     episodes.replay_ms.clear()
     assert episodes.replay_metrics() == {}
@@ -188,8 +188,8 @@ def test_an_environment_task_opens_for_the_coordinator(tokenizer, tmp_path):
     reward packages and environment pin): an EnvSource of episode prompts."""
     import json
 
-    from asyncrl.coordinator import preflight
     from asyncrl.coordinator.config import CoordinatorConfig
+    from asyncrl.coordinator.leasing import preflight
     from asyncrl.coordinator.service import task_reward_packages
 
     path = tmp_path / "arith.jsonl"

@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.coordinator.learner import TrainGroup, rows_of
-from asyncrl.coordinator.loss import LossConfig
+from asyncrl.coordinator.learner.learner import TrainGroup, rows_of
+from asyncrl.coordinator.learner.loss import LossConfig
 from asyncrl.models import tinymodel
 
 from .test_microbatch import grads, learner  # a learner whose adapter is already non-zero; raw gradients
+
 PROMPT = [5, 9, 12, 3]
 EPISODES = [  # (tokens after the prompt, env mask, reward)
     ([7, 8, 0, 20, 21, 22, 23, 9, 10, 0], [0, 0, 0, 1, 1, 1, 1, 0, 0, 0], 1.0),

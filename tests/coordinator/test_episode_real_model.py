@@ -12,8 +12,8 @@ import torch
 from asyncrl import envs
 from asyncrl.client.engine import TransformersEngine
 from asyncrl.client.episodes import episode_completion, generate_episodes
-from asyncrl.coordinator.ingest import Ingest
-from asyncrl.coordinator.taskboard import TaskBoard
+from asyncrl.coordinator.ingest.ingest import Ingest
+from asyncrl.coordinator.leasing.taskboard import TaskBoard
 from asyncrl.envs.source import episode_prompts
 from asyncrl.models.pinning import stop_token_ids
 from asyncrl.protocol import envelope, messages

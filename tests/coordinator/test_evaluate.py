@@ -1,4 +1,4 @@
-"""`asyncrl-coordinator eval` (coordinator/evaluate.py) on the tiny model: its completions and accuracy are
+"""`asyncrl-coordinator eval` (coordinator/operator/evaluate.py) on the tiny model: its completions and accuracy are
 what stock transformers + peft give for the exported adapter, one problem at a time, unpadded; the adapter is
 really applied (the base answers differently); problems the run trained on are refused (SPLIT_OVERLAP)."""
 

@@ -96,7 +96,7 @@ def test_an_export_of_a_local_base_names_its_pin_and_loads_from_its_own_config(t
     of a local base must not stop it loading the base from its directory."""
     from peft import AutoPeftModelForCausalLM
 
-    from asyncrl.coordinator.export import export
+    from asyncrl.coordinator.operator.export import export
 
     out = tmp_path / "adapter"
     export(trained["run"], out)
@@ -113,7 +113,7 @@ def test_exported_adapter_loads_in_stock_peft_with_the_engines_logprobs(trained,
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.coordinator.export import export
+    from asyncrl.coordinator.operator.export import export
 
     out = tmp_path / "adapter"
     result = export(trained["run"], out)
@@ -131,7 +131,7 @@ def test_exported_adapter_loads_in_stock_peft_with_the_engines_logprobs(trained,
 def test_merged_export_matches_too_and_keeps_the_base_stop_set(trained, samples, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.coordinator.export import export
+    from asyncrl.coordinator.operator.export import export
     from asyncrl.models import pinning
 
     out = tmp_path / "merged"
@@ -146,7 +146,7 @@ def test_merged_export_matches_too_and_keeps_the_base_stop_set(trained, samples,
 def test_merge_refuses_a_base_that_is_not_the_pinned_one(trained, tmp_path):
     import shutil
 
-    from asyncrl.coordinator.export import ExportError, export
+    from asyncrl.coordinator.operator.export import ExportError, export
 
     other = tmp_path / "edited-base"
     shutil.copytree(trained["model"], other)
@@ -158,8 +158,8 @@ def test_merge_refuses_a_base_that_is_not_the_pinned_one(trained, tmp_path):
 
 def test_cli_export_step_selection_and_upload_injection(trained, tmp_path):
     from asyncrl.coordinator.cli import build_parser
-    from asyncrl.coordinator.export import EXIT_OK, EXIT_USAGE
-    from asyncrl.coordinator.export import main as export_main
+    from asyncrl.coordinator.operator.export import EXIT_OK, EXIT_USAGE
+    from asyncrl.coordinator.operator.export import main as export_main
 
     parse = lambda *a: build_parser().parse_args(["export", "--run-dir", str(trained["run"]), *a])
     assert export_main(parse("--out", str(tmp_path / "x"), "--step", "99")) == EXIT_USAGE  # no such step
@@ -174,7 +174,7 @@ def test_cli_export_step_selection_and_upload_injection(trained, tmp_path):
 def test_cli_push_offline_stops_at_the_upload_call(trained, tmp_path):
     import subprocess
 
-    from asyncrl.coordinator.export import EXIT_UPLOAD
+    from asyncrl.coordinator.operator.export import EXIT_UPLOAD
 
     out = tmp_path / "pushed"
     r = subprocess.run([sys.executable, "-m", "asyncrl.coordinator.cli", "export", "--run-dir", str(trained["run"]),
@@ -189,7 +189,7 @@ def test_exported_adapter_loads_in_vllm_with_the_engines_logprobs(trained, sampl
     from tests.conftest import VLLM_DRIVER_ENV, require_vllm
 
     require_vllm()
-    from asyncrl.coordinator.export import export
+    from asyncrl.coordinator.operator.export import export
 
     out = tmp_path / "adapter"
     export(trained["run"], out)
@@ -250,7 +250,7 @@ def test_merge_keeps_a_bf16_base_in_bf16_with_the_bits_of_an_fp32_merge(tmp_path
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.coordinator.export import merge_adapter
+    from asyncrl.coordinator.operator.export import merge_adapter
     from asyncrl.models.lora import peft_config, standard_adapter_names, with_lora
     from asyncrl.models.tinymodel import write_tiny_model
     from asyncrl.protocol.messages import LoraSpec
@@ -297,7 +297,7 @@ def test_exported_files_are_readable_as_ordinary_files(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from asyncrl.coordinator.export import shareable
+    from asyncrl.coordinator.operator.export import shareable
 
     save_file({"w": torch.zeros(2)}, str(tmp_path / "adapter_model.safetensors"))
     assert os.stat(tmp_path / "adapter_model.safetensors").st_mode & 0o777 == 0o600

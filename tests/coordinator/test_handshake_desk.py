@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from asyncrl.coordinator.handshake import GatePolicy, HandshakeDesk
+from asyncrl.coordinator.leasing.handshake import GatePolicy, HandshakeDesk
 from asyncrl.coordinator.run_end import RunEnd
 from asyncrl.protocol import handshake
 
@@ -104,7 +104,7 @@ def test_each_peer_has_its_own_handshake_and_dial_back_budget():
     an honest doctor's handshake is answered and its dial-back still made."""
     import pytest
 
-    from asyncrl.coordinator import handshake as desk_module
+    from asyncrl.coordinator.leasing import handshake as desk_module
     from asyncrl.protocol.errors import ProtocolError, RejectCode
 
     clock = Clock()

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from asyncrl import tasks
-from asyncrl.coordinator.access import AccessControl, AccessPolicy
-from asyncrl.coordinator.ingest import Ingest
-from asyncrl.coordinator.journal import IngestJournal
-from asyncrl.coordinator.taskboard import TaskBoard
+from asyncrl.coordinator.ingest.ingest import Ingest
+from asyncrl.coordinator.ingest.journal import IngestJournal
+from asyncrl.coordinator.leasing.taskboard import TaskBoard
+from asyncrl.coordinator.trust.access import AccessControl, AccessPolicy
 from asyncrl.models import tinymodel
 from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.identity import Identity

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from asyncrl import tasks
-from asyncrl.coordinator.ingest import Ingest
-from asyncrl.coordinator.taskboard import TaskBoard
+from asyncrl.coordinator.ingest.ingest import Ingest
+from asyncrl.coordinator.leasing.taskboard import TaskBoard
 from asyncrl.models import tinymodel
 from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.identity import Identity
@@ -92,7 +92,7 @@ def test_batches_an_earlier_lineage_spooled_are_refused_and_never_strike_their_v
     honest volunteer's batches generated with the old lineage's v6 claim a version this one never published
     (CI 2026-12-02: three of them struck and banned an honest volunteer). Each is refused, nothing is
     trained, the key is not struck, and its next batch at a version this lineage did publish is accepted."""
-    from asyncrl.coordinator.access import AccessControl, AccessPolicy
+    from asyncrl.coordinator.trust.access import AccessControl, AccessPolicy
 
     access = AccessControl(AccessPolicy(max_strikes=3))
     fresh = make_ingest(tokenizer, is_published=lambda v: v == 0, access=access)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 
 from asyncrl import tasks
-from asyncrl.coordinator.access import AccessControl, AccessPolicy
-from asyncrl.coordinator.ingest import Ingest
-from asyncrl.coordinator.taskboard import TaskBoard
+from asyncrl.coordinator.ingest.ingest import Ingest
+from asyncrl.coordinator.leasing.taskboard import TaskBoard
+from asyncrl.coordinator.trust.access import AccessControl, AccessPolicy
 from asyncrl.models import tinymodel
 from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.identity import Identity

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from asyncrl.coordinator.learner import Learner, TrainGroup
-from asyncrl.coordinator.loss import LossConfig
+from asyncrl.coordinator.learner.learner import Learner, TrainGroup
+from asyncrl.coordinator.learner.loss import LossConfig
 from asyncrl.models import tinymodel
 from asyncrl.protocol.messages import LoraSpec
 

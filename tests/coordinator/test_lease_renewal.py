@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from asyncrl.coordinator.leasing import LeaseDesk, LeasePolicy
-from asyncrl.coordinator.access import AccessControl, AccessPolicy
-from asyncrl.coordinator.taskboard import LeaseRejected, TaskBoard
+from asyncrl.coordinator.leasing.leasing import LeaseDesk, LeasePolicy
+from asyncrl.coordinator.leasing.taskboard import LeaseRejected, TaskBoard
+from asyncrl.coordinator.trust.access import AccessControl, AccessPolicy
 from asyncrl.models import tinymodel
 from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.identity import Identity

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.coordinator.access import AccessControl, AccessPolicy
-from asyncrl.coordinator.leasing import LeaseDesk, LeasePolicy
-from asyncrl.coordinator.taskboard import TaskBoard
+from asyncrl.coordinator.leasing.leasing import LeaseDesk, LeasePolicy
+from asyncrl.coordinator.leasing.taskboard import TaskBoard
+from asyncrl.coordinator.trust.access import AccessControl, AccessPolicy
 from asyncrl.models import tinymodel
 from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.errors import ProtocolError, RejectCode
@@ -301,9 +301,10 @@ def test_a_proven_volunteer_is_never_put_behind_a_crowd_of_fresh_waiters(tokeniz
 
 
 def test_the_lease_replay_guard_is_written_with_the_trust_state_and_loaded_at_start(tokenizer, tmp_path):
-    """What a restart reads back (coordinator/trust_state.py): lease_replay.bin refuses a copy after the restart."""
-    from asyncrl.coordinator.ingest import Ingest
-    from asyncrl.coordinator.trust_state import TrustState
+    """What a restart reads back (coordinator/trust/trust_state.py): lease_replay.bin refuses a copy after the
+    restart."""
+    from asyncrl.coordinator.ingest.ingest import Ingest
+    from asyncrl.coordinator.trust.trust_state import TrustState
 
     def hub(desk, board):
         ingest = Ingest(identity_public_key=desk.audience, run_id=RUN, board=board, tokenizer=None, vocab_size=64,

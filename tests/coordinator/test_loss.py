@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from asyncrl.coordinator.loss import LossConfig, group_advantages, grpo_loss
+from asyncrl.coordinator.learner.loss import LossConfig, group_advantages, grpo_loss
 
 
 def test_group_advantages_centre_and_scale():
@@ -150,7 +150,7 @@ def test_loss_config_validation():
             LossConfig(**bad).validate()
 
 
-# --- corrections for stale samples (coordinator/corrections.py) ---------------------------------
+# --- corrections for stale samples (coordinator/learner/corrections.py) ---------------------------------
 
 
 def _grad(cfg: LossConfig, p, mu, adv, mask=None):
@@ -204,7 +204,7 @@ def _m2po_rows():
 
 
 def test_m2po_masks_the_largest_second_moments_until_the_rest_is_under_tau():
-    from asyncrl.coordinator.corrections import m2po_keep_mask
+    from asyncrl.coordinator.learner.corrections import m2po_keep_mask
 
     logps, sampling, mask, _ = _m2po_rows()
     log_r = (logps.detach() - sampling) * mask
@@ -254,7 +254,7 @@ def test_off_policy_statistics_second_moments_ess_and_masking_by_staleness():
 
 
 def test_decay_row_weights_rebalance_a_step_by_version_gap():
-    from asyncrl.coordinator.corrections import decay_row_weights
+    from asyncrl.coordinator.learner.corrections import decay_row_weights
 
     # 0.5 ** (gap / 8) = [1, 1, .5, .5], normalised to mean 1
     assert decay_row_weights([0, 0, 8, 8], 8.0).tolist() == pytest.approx([4 / 3, 4 / 3, 2 / 3, 2 / 3], rel=1e-6)
@@ -292,7 +292,7 @@ def test_decoupled_anchors_the_trust_region_at_most_prox_lag_versions_behind():
 
 
 def test_soft_overlong_penalty_dapo():
-    from asyncrl.coordinator.loss import overlong_penalty
+    from asyncrl.coordinator.learner.loss import overlong_penalty
 
     lengths = torch.tensor([10, 12, 13, 15, 16])
     # L_max 16, L_cache 4: free up to 12, then (12 - |y|) / 4 down to -1 at |y| = 16
@@ -327,7 +327,7 @@ class HostReads(torch.Tensor):
 def test_loss_statistics_reach_the_host_once_per_step_not_per_micro_batch():
     """LossTotals sums micro-batches on the device; the step's statistics are read to the host once, and equal
     the same statistics summed from each micro-batch read alone."""
-    from asyncrl.coordinator.loss import LossTotals, policy_terms
+    from asyncrl.coordinator.learner.loss import LossTotals, policy_terms
 
     cfg = LossConfig(correction="decoupled", beta=0.0)
     gen = torch.Generator().manual_seed(0)

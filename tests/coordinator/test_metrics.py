@@ -7,8 +7,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from asyncrl.coordinator.config import ConfigError
-from asyncrl.coordinator.metrics import LIVE_WINDOW_S, RunStats, make_registry, merge_presence, volunteer_rows
-from asyncrl.coordinator.reporters import Reporters, check_available
+from asyncrl.coordinator.operator.metrics import LIVE_WINDOW_S, RunStats, make_registry, merge_presence, volunteer_rows
+from asyncrl.coordinator.operator.reporters import Reporters, check_available
 
 
 class FakeClock:

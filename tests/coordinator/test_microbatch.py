@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from asyncrl.coordinator.learner import Learner, TrainGroup, plan_micro_batches
-from asyncrl.coordinator.loss import LossConfig, group_advantages, grpo_loss
+from asyncrl.coordinator.learner.learner import Learner, TrainGroup, plan_micro_batches
+from asyncrl.coordinator.learner.loss import LossConfig, group_advantages, grpo_loss
 from asyncrl.models import tinymodel
 from asyncrl.protocol.messages import LoraSpec
 

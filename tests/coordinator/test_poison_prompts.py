@@ -1,12 +1,12 @@
-"""Poison prompts (coordinator/taskboard.py): a record that volunteers report unscorable (`LeaseRequest.unscorable`,
+"""Poison prompts (leasing/taskboard.py): a record that volunteers report unscorable (`LeaseRequest.unscorable`,
 or ingest's own check failing) is retired once `prompt_max_failures` distinct keys reported it with no group of
 it scored since — never re-leased forever, never in a later epoch, never by one key alone or by a silent expiry,
 never beyond the retirement cap — and the books still balance."""
 
 from __future__ import annotations
 
-from asyncrl.coordinator import taskboard
-from asyncrl.coordinator.taskboard import TaskBoard
+from asyncrl.coordinator.leasing import taskboard
+from asyncrl.coordinator.leasing.taskboard import TaskBoard
 from asyncrl.tasks import Prompt
 
 KEYS = [bytes([i]) * 32 for i in range(1, 12)]
@@ -128,7 +128,7 @@ def test_reports_survive_a_checkpoint_and_zero_never_retires():
 
 
 def test_a_lease_whose_batch_is_being_verified_does_not_expire_under_our_checks():
-    """Ingest holds a batch's leases while it scores them (coordinator/ingest.py): a verifier queue longer
+    """Ingest holds a batch's leases while it scores them (coordinator/ingest/ingest.py): a verifier queue longer
     than the lease timeout must not turn a batch that arrived in time into UNKNOWN_LEASE."""
     clock = FakeClock()
     b = board(clock)

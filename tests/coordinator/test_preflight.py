@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from asyncrl.coordinator import preflight
 from asyncrl.coordinator.config import CoordinatorConfig
+from asyncrl.coordinator.leasing import preflight
 from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.identity import Identity
 

@@ -17,11 +17,11 @@ import pytest
 from asyncrl import tasks
 from asyncrl.client.adapter_sync import AdapterSync
 from asyncrl.coordinator.checkpoint import last_published, record_published
-from asyncrl.coordinator.ingest import Ingest
-from asyncrl.coordinator.learner import Learner, TrainGroup
-from asyncrl.coordinator.loss import LossConfig
+from asyncrl.coordinator.ingest.ingest import Ingest
+from asyncrl.coordinator.learner.learner import Learner, TrainGroup
+from asyncrl.coordinator.learner.loss import LossConfig
+from asyncrl.coordinator.leasing.taskboard import TaskBoard
 from asyncrl.coordinator.publisher import Publisher, PublishWorker, export_version
-from asyncrl.coordinator.taskboard import TaskBoard
 from asyncrl.models import tinymodel
 from asyncrl.protocol import codec, envelope, messages, swarm
 from asyncrl.protocol.identity import Identity

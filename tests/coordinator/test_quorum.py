@@ -1,17 +1,17 @@
-"""--wait-for-volunteers N (coordinator/quorum.py): distinct keys are counted, nothing is leased before N are
+"""--wait-for-volunteers N (coordinator/leasing/quorum.py): distinct keys are counted, nothing is leased before N are
 in, and under --sync a volunteer that waited is live in the first round, so that round waits for its batch."""
 
 from __future__ import annotations
 
 import threading
 
-from asyncrl.coordinator.access import AccessControl, AccessPolicy
-from asyncrl.coordinator.admin import format_status
-from asyncrl.coordinator.ingest import Ingest
-from asyncrl.coordinator.leasing import LeaseDesk, LeasePolicy
-from asyncrl.coordinator.quorum import VolunteerQuorum
-from asyncrl.coordinator.sync_round import SyncRound
-from asyncrl.coordinator.taskboard import TaskBoard
+from asyncrl.coordinator.ingest.ingest import Ingest
+from asyncrl.coordinator.leasing.leasing import LeaseDesk, LeasePolicy
+from asyncrl.coordinator.leasing.quorum import VolunteerQuorum
+from asyncrl.coordinator.leasing.sync_round import SyncRound
+from asyncrl.coordinator.leasing.taskboard import TaskBoard
+from asyncrl.coordinator.operator.admin import format_status
+from asyncrl.coordinator.trust.access import AccessControl, AccessPolicy
 from asyncrl.models import tinymodel
 from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.identity import Identity, fingerprint

@@ -12,12 +12,12 @@ import torch
 
 from asyncrl import tasks
 from asyncrl.client.engine import TransformersEngine
-from asyncrl.coordinator import preflight
 from asyncrl.coordinator.config_file import resolve_config
-from asyncrl.coordinator.ingest import Ingest
-from asyncrl.coordinator.learner import Learner
-from asyncrl.coordinator.loss import LossConfig
-from asyncrl.coordinator.taskboard import TaskBoard
+from asyncrl.coordinator.ingest.ingest import Ingest
+from asyncrl.coordinator.learner.learner import Learner
+from asyncrl.coordinator.learner.loss import LossConfig
+from asyncrl.coordinator.leasing import preflight
+from asyncrl.coordinator.leasing.taskboard import TaskBoard
 from asyncrl.models import pinning
 from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.identity import Identity

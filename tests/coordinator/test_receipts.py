@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from asyncrl.coordinator.receipts import ReceiptDesk
+from asyncrl.coordinator.ingest.receipts import ReceiptDesk
 from asyncrl.protocol import receipts
 from asyncrl.protocol.identity import fingerprint
+
 from tests.coordinator.test_ingest_trust import ALICE, COORD, MALLORY, make_ingest, sealed_batch, tokenizer  # noqa: F401 (fixture)
 
 
@@ -43,7 +44,7 @@ def test_rejected_batches_get_no_receipt(tokenizer, tmp_path):
 
 
 def test_a_restart_reads_the_totals_snapshot_and_replays_only_the_log_after_it(tokenizer, tmp_path, monkeypatch):
-    from asyncrl.coordinator import receipts as desk_module
+    from asyncrl.coordinator.ingest import receipts as desk_module
 
     monkeypatch.setattr(desk_module, "SNAPSHOT_EVERY", 2)
     desk = ReceiptDesk(COORD, "r", tmp_path / "receipts.bin")

@@ -1,4 +1,4 @@
-"""TRL-like reward observability (coordinator/reward_log.py): per-reward mean/std over a step's completions
+"""TRL-like reward observability (coordinator/operator/reward_log.py): per-reward mean/std over a step's completions
 with None left out (TRL's nanmean / nanstd), the sampled-completions log, reported reward errors."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import math
 
-from asyncrl.coordinator.learner import TrainGroup
-from asyncrl.coordinator.metrics import RunStats
-from asyncrl.coordinator.reward_log import CompletionLog, RewardErrors, per_reward_table, reward_stats
+from asyncrl.coordinator.learner.learner import TrainGroup
+from asyncrl.coordinator.operator.metrics import RunStats
+from asyncrl.coordinator.operator.reward_log import CompletionLog, RewardErrors, per_reward_table, reward_stats
 from asyncrl.models import tinymodel
 
 

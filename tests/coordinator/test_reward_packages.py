@@ -11,8 +11,9 @@ import pytest
 
 from asyncrl import tasks
 from asyncrl.client import checks
-from asyncrl.coordinator.handshake import GatePolicy, HandshakeDesk
+from asyncrl.coordinator.leasing.handshake import GatePolicy, HandshakeDesk
 from asyncrl.protocol import handshake
+
 from tests.conftest import REPO
 
 PKG = REPO / "tests" / "trl_doc_rewards"
@@ -70,8 +71,8 @@ def test_the_volunteer_side_check_finds_what_is_missing_or_at_another_version(mo
 
 
 def test_the_coordinator_lists_only_entry_point_rewards_of_its_task(monkeypatch):
-    from asyncrl.coordinator.service import task_reward_packages
     from asyncrl.coordinator.config import CoordinatorConfig
+    from asyncrl.coordinator.service import task_reward_packages
     from asyncrl.tasks.prompt import Prompt
 
     monkeypatch.syspath_prepend(str(PKG))

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from asyncrl import tasks
-from asyncrl.coordinator.ingest import AcceptedBatch, Ingest
-from asyncrl.coordinator.learner import TrainGroup
-from asyncrl.coordinator.sync_round import SyncRound
-from asyncrl.coordinator.taskboard import TaskBoard
+from asyncrl.coordinator.ingest.ingest import AcceptedBatch, Ingest
+from asyncrl.coordinator.learner.learner import TrainGroup
+from asyncrl.coordinator.leasing.sync_round import SyncRound
+from asyncrl.coordinator.leasing.taskboard import TaskBoard
 from asyncrl.protocol.identity import fingerprint
 
 ALICE, BOB, CAROL = b"a" * 32, b"b" * 32, b"c" * 32

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from asyncrl.coordinator.taskboard import LeaseRejected, TaskBoard
+from asyncrl.coordinator.leasing.taskboard import LeaseRejected, TaskBoard
 from asyncrl.tasks.sources import open_source
 
 ALICE, BOB = b"a" * 32, b"b" * 32

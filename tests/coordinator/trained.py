@@ -12,10 +12,10 @@ def trained_run(root: Path, lora: dict, *, b_scale: float = 0.15) -> dict:
 
     from asyncrl import tasks
     from asyncrl.coordinator import checkpoint
-    from asyncrl.coordinator.ingest import Ingest
-    from asyncrl.coordinator.learner import Learner, TrainGroup
-    from asyncrl.coordinator.loss import LossConfig
-    from asyncrl.coordinator.taskboard import TaskBoard
+    from asyncrl.coordinator.ingest.ingest import Ingest
+    from asyncrl.coordinator.learner.learner import Learner, TrainGroup
+    from asyncrl.coordinator.learner.loss import LossConfig
+    from asyncrl.coordinator.leasing.taskboard import TaskBoard
     from asyncrl.models import pinning
     from asyncrl.models.tinymodel import write_tiny_model
     from asyncrl.protocol.messages import LoraSpec

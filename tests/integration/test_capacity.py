@@ -1,4 +1,4 @@
-"""The operator's capacity figures (coordinator/capacity.py) against a real swarm with a deliberately slow
+"""The operator's capacity figures (coordinator/operator/capacity.py) against a real swarm with a deliberately slow
 volunteer: `slow` takes 3 s more per leased prompt (ASYNCRL_FAULT=slow-prompt:3) beside a normal `fast` one,
 and the learner wants 8 groups per step. The dashboard's /api/status must say the learner waits (idle), that
 the swarm does not keep it busy, how many more volunteers it would take, and measure `slow` below `fast`."""

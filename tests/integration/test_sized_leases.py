@@ -1,4 +1,4 @@
-"""Work sized to the machine (client/lease_sizing.py, coordinator/leasing.py), real processes over loopback.
+"""Work sized to the machine (client/lease_sizing.py, coordinator/leasing/leasing.py), real processes over loopback.
 
 One coordinator whose leases live at most LIFE_S (renewals included). Three volunteers slowed by
 ASYNCRL_FAULT=slow-prompt:S (S seconds per leased prompt on top of generation, so the figures below hold

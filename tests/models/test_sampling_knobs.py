@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from asyncrl.client.engine import TransformersEngine, processed_logprobs
-from asyncrl.coordinator.learner import TrainGroup, collate_rows, rows_of
+from asyncrl.coordinator.learner.learner import TrainGroup, collate_rows, rows_of
 from asyncrl.models import tinymodel
 from asyncrl.models.logprobs import CompletionScorer, head_logprobs
 from asyncrl.models.sampling import SamplingKnobs, TokenSampling, process

@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("reasoning_gym")
 
-from asyncrl.coordinator.ingest import Ingest  # noqa: E402
-from asyncrl.coordinator.taskboard import TaskBoard  # noqa: E402
+from asyncrl.coordinator.ingest.ingest import Ingest  # noqa: E402
+from asyncrl.coordinator.leasing.taskboard import TaskBoard  # noqa: E402
 from asyncrl.models import tinymodel  # noqa: E402
 from asyncrl.protocol import envelope, messages  # noqa: E402
 from asyncrl.protocol.identity import Identity  # noqa: E402

@@ -508,3 +508,22 @@ def test_a_seeder_that_missed_gives_its_slot_to_one_not_measured_yet(monkeypatch
     assert desk.check_service() == {carol.peer_id: "served"}
     desk.on_publish(3)
     assert desk.last_record.seeders == (carol.peer_id,)
+
+
+def test_a_proven_seeder_that_does_not_answer_misses_before_it_is_dropped(monkeypatch):
+    """A volunteer with accepted batches may be reconnecting (after a coordinator restart, every one is): one
+    check without an answer is a miss; two in a row drop it, as they drop an unproven tarpit at once."""
+    monkeypatch.setattr(seeder_service, "SERVICE_WAIT_S", 0.2)
+    monkeypatch.setattr(seeder_service, "SERVICE_GRACE_S", 0.2)
+    alice, tarpit = Identity.generate(), Identity.generate()
+    chunks = [b"c" * 100]
+    node = ServingSwarm(chunks, tarpit=[alice.peer_id, tarpit.peer_id])
+    desk = ProviderDesk(node, COORD, RUN, Tracker({i.peer_id: presence(i) for i in (alice, tarpit)}),
+                        proven=lambda p: p == alice.peer_id, source=Source(chunks))
+    desk.probe_round()
+    desk.on_publish(1)
+    assert desk.check_service() == {alice.peer_id: "failed", tarpit.peer_id: "failed"}
+    assert desk.last_record.seeders == (alice.peer_id,)
+    desk.on_publish(2)
+    assert desk.check_service() == {alice.peer_id: "failed"}
+    assert desk.last_record.seeders == ()
