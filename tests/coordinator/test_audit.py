@@ -314,7 +314,8 @@ def test_an_honest_top_p_batch_passes_and_fabricated_ones_are_rejected(setup):
     volunteer sampled: an honest batch passes on both paths; logprobs forged, or reported for the
     untruncated distribution, are LOGPROB_MISMATCH."""
     learner, auditor, engine, verdicts, publish = setup
-    publish()  # the engine serves the learner's current version (an earlier test loaded one of its own)
+    learner.version += 1  # a fresh version: earlier tests stepped without publishing, or loaded one of their own
+    publish()
     v = learner.version
     honest = honest_groups(learner, engine, n=3, seed=21, sampling=TOP_P)
     liar = forged(honest_groups(learner, engine, n=2, seed=22, sampling=TOP_P))
