@@ -1,8 +1,8 @@
 """Generation engines behind one small interface.
 
 `Engine.generate(prompts, group_size, sampling)` returns, per prompt, `group_size` samples with the
-per-token log-probabilities *of the distribution that was sampled from* (after temperature / top-k /
-top-p processing) — the behaviour policy the learner corrects against.
+per-token log-probabilities *of the distribution that was sampled from* (after repetition penalty,
+temperature, min-p, top-k and top-p: models/sampling.py) — the behaviour policy the learner corrects against.
 `Engine.load_adapter(version, specs, blobs)` hot-swaps the LoRA adapter for a new version.
 
 Stop rule (the same in every engine, and what ingest re-derives): generation of a sequence ends at the
@@ -118,6 +118,11 @@ class TransformersEngine:
         out_logps = torch.zeros((len(rows), sampling.max_new_tokens), dtype=torch.float32, device=dev)
         lengths = torch.full((len(rows),), sampling.max_new_tokens, dtype=torch.long, device=dev)
         done = torch.zeros(len(rows), dtype=torch.bool, device=dev)
+        seen = None  # [rows, vocab] bool, the repetition penalty's prompt + completion-so-far sets
+        if sampling.repetition_penalty != 1.0:
+            vocab = self.vocab_size  # one spare column takes the left padding
+            seen = torch.zeros((len(rows), vocab + 1), dtype=torch.bool, device=dev)
+            seen = seen.scatter_(1, input_ids.masked_fill(attention == 0, vocab).clamp(max=vocab), True)[:, :vocab]
         past = None
         step_ids, step_pos = input_ids, position_ids
         for t in range(sampling.max_new_tokens):
@@ -126,8 +131,10 @@ class TransformersEngine:
                              past_key_values=past, use_cache=True, logits_to_keep=1)
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()
-            logprobs = processed_logprobs(logits, sampling, vocab_limit=len(self.tokenizer))
+            logprobs = processed_logprobs(logits, sampling, vocab_limit=len(self.tokenizer), seen=seen)
             token = torch.multinomial(logprobs.exp(), 1, generator=self.generator).squeeze(1)
+            if seen is not None:
+                seen[torch.arange(len(rows), device=dev), token] = True
             out_tokens[:, t] = torch.where(done, torch.full_like(token, pad), token)
             out_logps[:, t] = torch.where(done, torch.zeros_like(out_logps[:, t]),
                                           logprobs.gather(1, token[:, None]).squeeze(1))
@@ -156,24 +163,24 @@ class TransformersEngine:
         return samples
 
 
-def processed_logprobs(logits: torch.Tensor, sampling: SamplingParams, vocab_limit: int | None = None) -> torch.Tensor:
-    """log-softmax of the *processed* logits: ids at or past `vocab_limit` (len(tokenizer): the padded
-    embedding rows) masked, then temperature, then top-k, then top-p (as vLLM does with allowed_token_ids).
+def processed_logprobs(logits: torch.Tensor, sampling: SamplingParams, vocab_limit: int | None = None,
+                       seen: torch.Tensor | None = None) -> torch.Tensor:
+    """log-softmax of the *processed* logits, in vLLM's order (models/sampling.py): ids at or past
+    `vocab_limit` (len(tokenizer): the padded embedding rows) masked, repetition penalty on the ids in
+    `seen` ([rows, V] bool: prompt + completion so far; needed only when the penalty is on), temperature,
+    min_p, top-k, top-p. Dropped ids get -inf.
 
-    The learner applies the same temperature when it recomputes log-probabilities.
-    """
+    The learner and the audit compute the same processed log-probs (models/logprobs.py)."""
+    from asyncrl.models.sampling import SamplingKnobs, TokenSampling, process
+
     logits = logits / max(sampling.temperature, 1e-5)
     if vocab_limit is not None and vocab_limit < logits.shape[-1]:
         logits[..., vocab_limit:] = float("-inf")
-    if sampling.top_k and sampling.top_k > 0 and sampling.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if sampling.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) > sampling.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+    knobs = SamplingKnobs.of(sampling)
+    if knobs.active:  # the defaults skip this: bit for bit the temperature-only path
+        if knobs.repetition_penalty != 1.0 and seen is None:
+            raise ValueError("repetition_penalty needs the ids each row has seen")
+        logits, _ = process(logits, TokenSampling.uniform(logits.shape[0], knobs, logits.device, seen_ids=seen))
     return torch.log_softmax(logits, dim=-1)
 
 

@@ -6,7 +6,10 @@ a hot-swap never reuses stale cached KV blocks. At most `max_loras` versions sta
 ones are removed from the engine and their directories deleted.
 
 `logprobs_mode="processed_logprobs"` makes the reported per-token logprobs those of the distribution
-that was actually sampled from (after temperature / top-k / top-p), like `engine.processed_logprobs`.
+that was actually sampled from, like `engine.processed_logprobs`: in vLLM 0.32's v1 Sampler the logits
+processors and penalties (allowed_token_ids, repetition_penalty) run before `sample`, which applies
+temperature, min_p, then top-k/top-p, and returns the log-softmax of exactly those logits (vLLM's
+TopKTopPSampler never takes the FlashInfer path in that mode, which cannot return them).
 Stop rule as in engine.py: every request carries the manifest's `stop_token_ids` explicitly (vLLM would
 otherwise stop on the tokenizer eos plus whatever generation_config it read), token ids include the
 stop token (finish_reason "stop"), and vLLM's own finish reason is cross-checked against
@@ -143,7 +146,8 @@ class VLLMEngine:
         for _ in prompts:  # vLLM seeds the n children of a request with seed, seed+1, ...
             params.append(VSamplingParams(
                 n=group_size, temperature=sampling.temperature, top_p=sampling.top_p,
-                top_k=max(sampling.top_k, 0), max_tokens=sampling.max_new_tokens,
+                top_k=max(sampling.top_k, 0), min_p=sampling.min_p, repetition_penalty=sampling.repetition_penalty,
+                max_tokens=sampling.max_new_tokens,
                 logprobs=0, seed=self._next_seed, detokenize=False, stop_token_ids=list(self.stop_token_ids),
                 allowed_token_ids=self.allowed_token_ids))
             self._next_seed += group_size

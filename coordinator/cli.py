@@ -65,9 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--group-size", type=int, default=d.group_size)
     run.add_argument("--prompts-per-lease", type=int, default=d.prompts_per_lease)
     run.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    run.add_argument("--temperature", type=float,
-                     help=f"sampling temperature volunteers use and the learner scores under (default {d.temperature}); "
-                          "top-p/top-k/min-p/repetition penalty are not supported")
+    smp = run.add_argument_group("sampling (volunteers sample with these; the learner and the audit score the "
+                                 "same processed distribution: docs/sampling.md)")
+    smp.add_argument("--temperature", type=float, help=f"sampling temperature (default {d.temperature})")
+    smp.add_argument("--top-p", type=float, help=f"nucleus sampling, in (0, 1] (default {d.top_p} = off)")
+    smp.add_argument("--top-k", type=int, help=f"keep the k most likely tokens (default {d.top_k} = off)")
+    smp.add_argument("--min-p", type=float,
+                     help=f"drop tokens below min_p x the top token's probability, in [0, 1] (default {d.min_p} = off)")
+    smp.add_argument("--repetition-penalty", type=float,
+                     help=f"penalise tokens already in prompt or completion, > 0 (default {d.repetition_penalty} = off)")
     run.add_argument("--lease-timeout-s", type=float, default=d.lease_timeout_s)
     run.add_argument("--lease-max-s", type=float, default=d.lease_max_s,
                      help="renewals keep a lease for at most this long after its grant (0 = no renewals)")

@@ -237,6 +237,17 @@ class CoordinatorConfig:
     """Longest completion a volunteer may generate (a completion that reaches it is "truncated")."""
     temperature: float = 1.0
     """Sampling temperature volunteers use (the learner scores under the same temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling: volunteers sample from the most likely tokens whose probabilities add up to top_p,
+    renormalised; the learner and the audit score that same truncated distribution (docs/sampling.md).
+    In (0, 1]; 1 = off."""
+    top_k: int = 0
+    """Volunteers sample from the top_k most likely tokens only (0 = off; vLLM's -1 also means off)."""
+    min_p: float = 0.0
+    """Volunteers drop tokens less likely than min_p x the most likely token's probability. In [0, 1]; 0 = off."""
+    repetition_penalty: float = 1.0
+    """Logits of tokens already in the prompt or the completion are divided by this (multiplied when
+    negative), as in vLLM and transformers. > 1 discourages repeats; 1 = off."""
     lease_timeout_s: float = 60.0
     """A lease not returned (or renewed) within this many seconds expires and its prompt goes to someone else."""
     lease_max_s: float = 3600.0
@@ -381,6 +392,8 @@ class CoordinatorConfig:
     """How many completions each such sample holds (spread over the step's prompts)."""
 
     def validate(self) -> "CoordinatorConfig":
+        from asyncrl.protocol.messages import MAX_REPETITION_PENALTY  # the wire's bound (numpy: not at import)
+
         checks = [
             (self.lora_r >= 1, "lora_r must be >= 1"),
             (self.publish_dtype in ("bf16", "fp16", "fp32"), "publish_dtype must be bf16, fp16 or fp32"),
@@ -413,6 +426,11 @@ class CoordinatorConfig:
             (1 <= self.prompts_per_lease <= 64, "prompts_per_lease must be in [1, 64]"),
             (1 <= self.max_new_tokens <= 32768, "max_new_tokens must be in [1, 32768]"),
             (self.temperature > 0, "temperature must be > 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1] (1 = off)"),
+            (self.top_k >= -1, "top_k must be >= 0 (0 = off; -1, vLLM's off, is taken as 0)"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1] (0 = off)"),
+            (0 < self.repetition_penalty <= MAX_REPETITION_PENALTY,
+             f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off)"),
             (self.lease_timeout_s > 0, "lease_timeout_s must be > 0"),
             (self.prompt_max_failures >= 0, "prompt_max_failures must be >= 0 (0 = never retire a prompt)"),
             (self.lease_max_s == 0 or self.lease_max_s >= self.lease_timeout_s,

@@ -49,7 +49,8 @@ GRPO_ALIASES = {
     "loss.mask_truncated",
 }
 """TRL GRPOConfig keys accepted in a config file with the same meaning as the asyncrl key they name (`temperature`,
-`seed`, `max_steps`, `warmup_steps`, `reward_weights`, `report_to` have the same name in both)."""
+`top_p`, `top_k`, `min_p`, `repetition_penalty`, `seed`, `max_steps`, `warmup_steps`, `reward_weights`,
+`report_to` have the same name in both; TRL's `min_p = None` is 0 here, as TOML has no null)."""
 GRPO_REFUSED = {
     "per_device_train_batch_size": "groups_per_step (prompts per optimizer step; each brings group_size completions)",
     "gradient_accumulation_steps": "micro_batch_tokens (a step accumulates over as many micro-batches as it needs)",
@@ -59,10 +60,6 @@ GRPO_REFUSED = {
     "max_prompt_length": "oversized_records (a prompt must leave max_new_tokens of the model's context)",
     "use_vllm": "the volunteers' engine: asyncrl-client join --engine vllm",
     "vllm_mode": "the volunteers' engine: asyncrl-client join --engine vllm",
-    "top_p": "nothing yet: volunteers sample with temperature only (the learner's and the audit's log-probs "
-             "must be those of the distribution sampled; top-p/top-k/min-p/repetition penalty are not supported)",
-    "top_k": "nothing yet (see top_p)", "min_p": "nothing yet (see top_p)",
-    "repetition_penalty": "nothing yet (see top_p)",
     "importance_sampling_level": "loss.correction (tis-token or tis-sequence)",
     "log_completions": "log_completions_every (0 = never)",
     "logging_steps": "nothing: metrics.jsonl has every step",

@@ -194,7 +194,9 @@ class Coordinator:
                              window_s=cfg.timestamp_window_s, journal=self.journal, access=self.access,
                              seen_path=self.run_dir / "seen_ids.log", audit_queue=cfg.audit_queue,
                              auditor=self.auditor, receipts=self.receipts, sampling=messages.SamplingParams(
-                                 temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens),
+                                 temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, top_p=cfg.top_p,
+                                 top_k=max(cfg.top_k, 0), min_p=cfg.min_p,
+                                 repetition_penalty=cfg.repetition_penalty),
                              stop_token_ids=pin.stop_token_ids,  # finish reasons are derived from the tokens
                              context_limit=getattr(self.learner.model.config, "max_position_embeddings", None))
         self.auditor.attach(self.ingest)

@@ -5,6 +5,8 @@
                 the published dtype, PEFT directories for vLLM
   logprobs.py   completion log-probs and entropies through a chunked LM head (no [B, T, V] fp32 logits):
                 `CompletionScorer`, shared by the learner, the KL reference pass and the audit
+  sampling.py   the sampling knobs' logit processing (repetition penalty, min-p, top-k, top-p in vLLM's
+                order): the transformers engine samples with it, the scorer scores with it
   pinning.py    the base model pinned to an immutable revision (hub commit / content hash), tokenizer and
                 stop-set hashes; the volunteer's verification and its PinCodes
   gguf.py       GGUF files as a base (`--model PATH.gguf`, `smollm2-135m-instruct`): converted once to a

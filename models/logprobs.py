@@ -18,6 +18,10 @@ Design (docs/learner.md has the memory budget):
   This stays plain torch, works on CPU and CUDA, under DDP/FSDP and with any loss built on top.
 - A head that is not a plain `nn.Linear` (e.g. LoRA on `lm_head`) goes through the same chunking with
   non-reentrant activation checkpointing of the head call instead of the fused Function.
+- Sampling knobs (top-p, top-k, min-p, repetition penalty; models/sampling.py): when a batch uses any, each
+  chunk's logits are processed as the engines process them before the softmax, so the log-probs are those
+  of the truncated, renormalised distribution the volunteer sampled from; the chunk is smaller by
+  PROCESSED_BYTES_PER_LOGIT / 4 (the sort over the vocabulary and its temporaries live inside it).
 - The distribution is over the ids the tokenizer has (`vocab_limit` = len(tokenizer)): the embedding
   matrix is padded past it (Qwen2.5: 151,936 rows, 151,665 tokens) and both engines mask those ids
   (client/engine.py), so the head's rows beyond the limit take no part in the softmax here either.
@@ -33,6 +37,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .sampling import PROCESSED_BYTES_PER_LOGIT, TokenSampling, process
+
 HEAD_CHUNK_BYTES = 256 * 1024 * 1024  # fp32 logits of one head chunk (about 441 tokens at a 151,936 vocabulary)
 UNSUPPORTED_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
@@ -47,21 +53,22 @@ class SelectiveLogSoftmax(torch.autograd.Function):
     outlive the call, backward recomputes them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, inv_temp, with_entropy=True, vocab_limit=None):
+    def forward(ctx, hidden, weight, bias, targets, inv_temp, with_entropy=True, vocab_limit=None, sampling=None):
         rows = weight.shape[0]
         weight, bias = _limited(weight, bias, vocab_limit)
-        logits = _logits(hidden, weight, bias, inv_temp)
+        logits, _ = _processed(_logits(hidden, weight, bias, inv_temp), sampling, targets)
         lse = torch.logsumexp(logits, dim=-1)
         logp = logits.gather(1, targets.unsqueeze(1)).squeeze(1) - lse
         if with_entropy:  # one more pass over the chunk; the reference and audit passes skip it
             probs = (logits - lse.unsqueeze(1)).exp_()
-            entropy = lse - torch.linalg.vecdot(probs, logits)
-            del probs
+            finite = logits if sampling is None else logits.nan_to_num(neginf=0.0)  # dropped ids: p = 0
+            entropy = lse - torch.linalg.vecdot(probs, finite)
+            del probs, finite
         else:
             entropy = torch.zeros_like(lse)
         del logits
         ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), targets, inv_temp, lse)
-        ctx.has_bias, ctx.rows = bias is not None, rows
+        ctx.has_bias, ctx.rows, ctx.sampling = bias is not None, rows, sampling
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
@@ -69,9 +76,11 @@ class SelectiveLogSoftmax(torch.autograd.Function):
     def backward(ctx, grad_logp, _grad_entropy):
         hidden, weight, bias, targets, inv_temp, lse = ctx.saved_tensors
         bias = bias if ctx.has_bias else None
-        g = _logits(hidden, weight, bias, inv_temp)
+        g, scale = _processed(_logits(hidden, weight, bias, inv_temp), ctx.sampling, targets)
         g.sub_(lse.unsqueeze(1)).exp_().mul_(-grad_logp.unsqueeze(1))  # d logp / d logits = onehot - softmax
-        g.scatter_add_(1, targets.unsqueeze(1), grad_logp.unsqueeze(1))
+        g.scatter_add_(1, targets.unsqueeze(1), grad_logp.unsqueeze(1))  # (softmax is 0 on dropped ids)
+        if scale is not None:
+            g.mul_(scale)  # chain rule through the repetition penalty (its scale is constant per position)
         g.mul_(inv_temp.unsqueeze(1))  # chain rule through logits / temperature
         grad_h = grad_w = grad_b = None
         pad = ctx.rows - weight.shape[0]  # rows beyond vocab_limit: no logit, no gradient
@@ -83,7 +92,15 @@ class SelectiveLogSoftmax(torch.autograd.Function):
         if bias is not None and ctx.needs_input_grad[2]:
             grad_b = g.sum(0).to(bias.dtype)
             grad_b = torch.cat([grad_b, grad_b.new_zeros(pad)]) if pad else grad_b
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def _processed(logits, sampling, targets):
+    """(logits after models/sampling.py's processing, the penalty's scale or None); as they are without
+    `sampling`. The sampled tokens are kept in the kept set (sampling.process `keep`)."""
+    if sampling is None:
+        return logits, None
+    return process(logits, sampling, keep=targets)
 
 
 def _limited(weight, bias, vocab_limit):
@@ -100,31 +117,43 @@ def _logits(hidden, weight, bias, inv_temp) -> torch.Tensor:
     return logits.mul_(inv_temp.unsqueeze(1))
 
 
-def _generic_head(head, hidden, targets, inv_temp, vocab_limit=None):
+def _generic_head(head, hidden, targets, inv_temp, vocab_limit=None, sampling=None):
     logits = head(hidden).float()[:, :vocab_limit] * inv_temp.unsqueeze(1)
+    if sampling is not None:  # autograd differentiates through the penalty's scale and the -inf fill
+        with torch.no_grad():
+            processed, scale = _processed(logits.detach(), sampling, targets)
+        logits = (logits if scale is None else logits * scale).masked_fill(processed.isneginf(), float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(1, targets.unsqueeze(1)).squeeze(1) - lse
     with torch.no_grad():
-        entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+        finite = logits if sampling is None else logits.nan_to_num(neginf=0.0)  # dropped ids: p = 0
+        entropy = lse - (torch.softmax(logits, dim=-1) * finite).sum(-1)
     return logp, entropy
 
 
 def head_logprobs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, inv_temp: torch.Tensor,
-                  chunk: int, with_entropy: bool = True, vocab_limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  chunk: int, with_entropy: bool = True, vocab_limit: int | None = None,
+                  sampling: TokenSampling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[N] log-probabilities of `targets` and [N] entropies (zeros without `with_entropy`) under `head`,
-    `chunk` tokens at a time; the softmax over the first `vocab_limit` ids (None = the whole head)."""
+    `chunk` tokens at a time; the softmax over the first `vocab_limit` ids (None = the whole head).
+    `sampling`: per-position top-p / top-k / min-p / repetition penalty (models/sampling.py) — the
+    log-probs are then those of the processed distribution the engines sample, and the chunk shrinks by
+    PROCESSED_BYTES_PER_LOGIT / 4 so that the sort and its temporaries fit the same byte budget."""
     from torch.utils.checkpoint import checkpoint
 
     fused = type(head) is nn.Linear
+    if sampling is not None:
+        chunk = max(1, chunk * 4 // PROCESSED_BYTES_PER_LOGIT)
     logps, ents = [], []
     for lo in range(0, hidden.shape[0], chunk):
         h, t, s = hidden[lo:lo + chunk], targets[lo:lo + chunk], inv_temp[lo:lo + chunk]
+        ts = sampling[lo:lo + chunk] if sampling is not None else None
         if fused:
-            lp, ent = SelectiveLogSoftmax.apply(h, head.weight, head.bias, t, s, with_entropy, vocab_limit)
+            lp, ent = SelectiveLogSoftmax.apply(h, head.weight, head.bias, t, s, with_entropy, vocab_limit, ts)
         elif torch.is_grad_enabled():
-            lp, ent = checkpoint(_generic_head, head, h, t, s, vocab_limit, use_reentrant=False)
+            lp, ent = checkpoint(_generic_head, head, h, t, s, vocab_limit, ts, use_reentrant=False)
         else:
-            lp, ent = _generic_head(head, h, t, s, vocab_limit)
+            lp, ent = _generic_head(head, h, t, s, vocab_limit, ts)
         logps.append(lp)
         ents.append(ent)
     if not logps:
@@ -170,8 +199,13 @@ class CompletionScorer(nn.Module):
         rows, cols = valid.nonzero(as_tuple=True)
         pos = batch["prompt_lens"].to(ids.device)[rows] - 1 + cols
         inv_temp = (1.0 / batch["temps"].to(ids.device, torch.float32))[rows]
+        sampling = None
+        if "top_p" in batch:  # collate_rows adds the knobs only when some row uses one (models/sampling.py)
+            knob = lambda k: batch[k].to(ids.device)[rows]  # noqa: E731
+            sampling = TokenSampling(knob("top_p"), knob("top_k"), knob("min_p"), knob("repetition_penalty"),
+                                     context=ids, row=rows, seen=pos + 1)
         lp, ent = head_logprobs(causal.get_output_embeddings(), hidden[rows, pos], ids[rows, pos + 1], inv_temp,
-                                self.chunk, with_entropy=entropy, vocab_limit=self.vocab_limit)
+                                self.chunk, with_entropy=entropy, vocab_limit=self.vocab_limit, sampling=sampling)
         logps = torch.zeros((B, tmax), dtype=torch.float32, device=ids.device).index_put((rows, cols), lp)
         entropy = torch.zeros((B, tmax), dtype=torch.float32, device=ids.device).index_put((rows, cols), ent.detach())
         return TokenLogprobs(logps, entropy)

@@ -97,11 +97,18 @@ class LoraSpec(_Record):
     target_modules: Annotated[tuple[ModelName, ...], msgspec.Meta(max_length=256)]
 
 
-class SamplingParams(_Record):
+class SamplingParams(_Record, omit_defaults=True):
+    """What volunteers sample with; the reported log-probs are those of the processed distribution, in
+    vLLM's order: repetition penalty, temperature, min_p, top-k, top-p (models/sampling.py, docs/sampling.md).
+    omit_defaults: a knob left at its default is not on the wire, so a lease or batch that uses none of the
+    newer knobs decodes in a peer that predates them."""
+
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = disabled
     max_new_tokens: int = 16
+    min_p: float = 0.0  # 0 = disabled
+    repetition_penalty: float = 1.0  # 1 = disabled
 
 
 class TaskLease(_Record):
@@ -325,7 +332,8 @@ def rollout_batch_bytes_bound(*, groups: int, group_size: int, max_new_tokens: i
                       finish_reason="length", env_mask=bytes(max_new_tokens) if episodes else b"")
     group = RolloutGroup(lease_id=name, prompt_id=name * 2, prompt_token_ids=bytes(4 * prompt_tokens), completions=())
     batch = RolloutBatch(run_id=name, adapter_version=2**62, client_name=name, groups=(), generated_at=0.0,
-                         sampling=SamplingParams(temperature=1e300, top_p=1e300, top_k=2**62, max_new_tokens=2**62))
+                         sampling=SamplingParams(temperature=1e300, top_p=1e300, top_k=2**62, max_new_tokens=2**62,
+                                                 min_p=1e300, repetition_penalty=1e300))
     per_comp = len(encode(comp)) + 8
     per_group = len(encode(group)) + 12 + group_size * per_comp
     return len(encode(batch)) + 4 + groups * per_group
@@ -437,6 +445,9 @@ def _env_mask(c: Completion, field: str) -> None:
         raise _bad(f"{field}.logprobs must be 0.0 on environment tokens")
 
 
+MAX_REPETITION_PENALTY = 100.0  # far past any useful value (HF/vLLM suggest ~1.0-1.3); keeps logits finite
+
+
 def validate_sampling(s: SamplingParams, field: str = "sampling") -> None:
     _finite(s.temperature, f"{field}.temperature")
     _finite(s.top_p, f"{field}.top_p")
@@ -445,6 +456,12 @@ def validate_sampling(s: SamplingParams, field: str = "sampling") -> None:
     if not 0 < s.top_p <= 1:
         raise _bad(f"{field}.top_p must be in (0, 1]")
     _int_range(s.top_k, f"{field}.top_k", 0)
+    _finite(s.min_p, f"{field}.min_p")
+    _finite(s.repetition_penalty, f"{field}.repetition_penalty")
+    if not 0 <= s.min_p <= 1:
+        raise _bad(f"{field}.min_p must be in [0, 1]")
+    if not 0 < s.repetition_penalty <= MAX_REPETITION_PENALTY:
+        raise _bad(f"{field}.repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}]")
     _int_range(s.max_new_tokens, f"{field}.max_new_tokens", 1, limits.MAX_TOKENS_PER_SEQUENCE)
 
 

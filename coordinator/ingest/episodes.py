@@ -25,7 +25,7 @@ from asyncrl import tasks
 from asyncrl.protocol import messages
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 
-from ..learner.learner import TrainGroup
+from ..learner.learner import TrainGroup, sampling_knobs
 
 REWARD_TOLERANCE = 1e-6
 ENV_PREFIX = "env:"  # envs.ENV_PREFIX; asyncrl.envs itself is imported only when an episode arrives
@@ -100,5 +100,5 @@ def rescore_episode_group(tokenizer, group: messages.RolloutGroup, lease, batch:
         rewards.append(session.reward)
         truncated.append(session.finish_reason == "length")
     return TrainGroup(prompt_ids, arrays, [c.logprob_array() for c in group.completions], rewards,
-                      batch.adapter_version, batch.sampling.temperature, batch.client_name, truncated=truncated,
-                      env_masks=masks)
+                      batch.adapter_version, batch.sampling.temperature,
+                      batch.client_name, truncated=truncated, env_masks=masks, **sampling_knobs(batch.sampling))

@@ -54,7 +54,7 @@ from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import fingerprint, peer_id_from_public_key
 from asyncrl.tasks.sources import encode_prompt
 
-from ..learner.learner import TrainGroup
+from ..learner.learner import TrainGroup, sampling_knobs
 from ..leasing.taskboard import LeaseRejected, TaskBoard, lease_holder
 from ..trust.access import IDENTITY_STRIKES, IDENTITY_SUSPICIONS
 from .episodes import is_episode_lease, rescore_episode_group
@@ -581,4 +581,4 @@ def rescore_group(tokenizer, group: messages.RolloutGroup, lease, batch: message
     # ints and floats per batch — those lists were a third of ingest's time (docs/benchmarks.md).
     lps = [c.logprob_array() for c in group.completions]
     return TrainGroup(prompt_ids, arrays, lps, rewards, batch.adapter_version, batch.sampling.temperature,
-                      batch.client_name, truncated=truncated, per_reward=per_reward)
+                      batch.client_name, truncated=truncated, per_reward=per_reward, **sampling_knobs(batch.sampling))

@@ -64,12 +64,24 @@ class TrainGroup:
     per_reward: dict[str, list[float | None]] = field(default_factory=dict)
     """Each reward function's own values per completion (None = not applicable; tasks.GroupScore), for the
     per-reward metrics (coordinator/operator/reward_log.py); the learner trains on `rewards`, their weighted total."""
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    """The batch's other sampling knobs (protocol SamplingParams): the learner and the audit score the
+    processed distribution the volunteer sampled from (models/sampling.py); the defaults process nothing."""
     env_masks: list | None = None
     """Per completion of a multi-turn episode (envs/): 1 per environment token (no loss, no logprob audit), or
     None for a completion the model sampled whole; None = no episodes in this group."""
 
     def truncated_flags(self) -> list[bool]:
         return list(self.truncated) if self.truncated else [False] * len(self.completions)
+
+
+def sampling_knobs(sampling) -> dict:
+    """A batch's SamplingParams knobs as TrainGroup's keyword arguments."""
+    return {"top_p": sampling.top_p, "top_k": sampling.top_k, "min_p": sampling.min_p,
+            "repetition_penalty": sampling.repetition_penalty}
 
 
 @dataclass
@@ -87,6 +99,7 @@ class Row:
     staleness: int = 0       # learner version - the version that generated it (coordinator/learner/corrections.py)
     weight: float = 1.0      # `stale_weighting` row weight
     sampled: list[float] | None = None  # per completion token: 1 = sampled by the model, 0 = environment token
+    knobs: tuple[float, int, float, float] = (1.0, 0, 0.0, 1.0)  # (top_p, top_k, min_p, repetition_penalty)
 
     @property
     def comp_len(self) -> int:
@@ -113,7 +126,8 @@ def rows_of(groups: list[TrainGroup]) -> list[Row]:
         masks = g.env_masks or [None] * len(g.completions)
         for comp, lp, r, env in zip(g.completions, g.sampling_logprobs, g.rewards, masks):
             row = Row(np.concatenate((prompt, np.asarray(comp, dtype=np.int64))), len(prompt),
-                      np.array(lp, dtype=np.float32), float(r), gi, g.temperature)
+                      np.array(lp, dtype=np.float32), float(r), gi, g.temperature,
+                      knobs=(g.top_p, g.top_k, g.min_p, g.repetition_penalty))
             if env is not None:  # an episode: its environment tokens are context, never loss (envs/episode.py)
                 row.sampled = (1.0 - np.asarray(env, dtype=np.float32)).tolist()
                 row.loss_mask = list(row.sampled)
@@ -390,7 +404,8 @@ def collate_groups(groups: list[TrainGroup], pad_id: int, device) -> dict[str, t
 def collate_rows(rows: list[Row], pad_id: int, device) -> dict[str, torch.Tensor]:
     """Right-padded [B, W] ids/attn (W = this micro-batch's longest row); [B, Tmax] loss `mask` and sampling
     logprobs in completion-aligned columns; [B] prompt_lens, comp_lens, temps, advantages `adv`, version gaps
-    `staleness` and `row_weight`."""
+    `staleness` and `row_weight`; and [B] `top_p`, `top_k`, `min_p`, `repetition_penalty` when some row
+    was sampled with one of those knobs (models/logprobs.py then scores the processed distribution)."""
     width = max(len(r.ids) for r in rows)
     tmax = max(r.comp_len for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -402,7 +417,7 @@ def collate_rows(rows: list[Row], pad_id: int, device) -> dict[str, torch.Tensor
         attn[i, :len(r.ids)] = 1
         mask[i, :r.comp_len] = torch.tensor(r.mask(), dtype=torch.float32)
         slp[i, :r.comp_len] = torch.as_tensor(r.sampling_logprobs, dtype=torch.float32)
-    return {"ids": ids.to(device), "attn": attn.to(device), "mask": mask.to(device),
+    batch = {"ids": ids.to(device), "attn": attn.to(device), "mask": mask.to(device),
             "sampling_logps": slp.to(device),
             "adv": torch.tensor([r.advantage for r in rows], dtype=torch.float32).to(device),
             "prompt_lens": torch.tensor([r.prompt_len for r in rows]),
@@ -410,6 +425,11 @@ def collate_rows(rows: list[Row], pad_id: int, device) -> dict[str, torch.Tensor
             "temps": torch.tensor([r.temperature for r in rows], dtype=torch.float32),
             "staleness": torch.tensor([r.staleness for r in rows]).to(device),
             "row_weight": torch.tensor([r.weight for r in rows], dtype=torch.float32).to(device)}
+    if any(r.knobs != Row.knobs for r in rows):
+        for i, (key, dtype) in enumerate((("top_p", torch.float32), ("top_k", torch.long), ("min_p", torch.float32),
+                                          ("repetition_penalty", torch.float32))):
+            batch[key] = torch.tensor([r.knobs[i] for r in rows], dtype=dtype)
+    return batch
 
 
 def completion_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:

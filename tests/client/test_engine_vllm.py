@@ -3,7 +3,8 @@
 vLLM runs in a subprocess (this file run as a script: the driver at the bottom), because it starts its
 own worker processes with "spawn". The test process builds two adapter versions, the driver generates
 with each and writes the samples as JSON, and the test recomputes every sampled token's processed
-logprob with transformers+peft under the same adapter and sampling settings.
+logprob with the learner's own path (transformers+peft) under the same adapter and sampling settings —
+temperature, top-p, top-k, min-p and the repetition penalty (vLLM's logprobs_mode="processed_logprobs").
 
 The model is the tiny one with Qwen2.5-Instruct's stop layout (two stop tokens: <|im_end|> from the
 tokenizer, <|endoftext|> only from generation_config), so the same driver run also shows both engines
@@ -29,8 +30,10 @@ LORA = dict(r=8, alpha=16.0, dropout=0.0, target_modules=("q_proj", "v_proj"))
 PROMPTS = ["12+34=", "what is 7*6?", "abc"]
 GROUP = 4
 MAX_STALENESS = 1  # max_loras = 3, so loading five versions exercises eviction
-# (temperature, top_p, top_k, max_new_tokens)
-SAMPLINGS = {"plain": (1.0, 1.0, 0, 12), "processed": (0.8, 0.9, 20, 12)}
+# SamplingParams fields; "knobs" adds min_p and the repetition penalty (models/sampling.py)
+SAMPLINGS = {"plain": dict(temperature=1.0, max_new_tokens=12),
+             "processed": dict(temperature=0.8, top_p=0.9, top_k=20, max_new_tokens=12),
+             "knobs": dict(temperature=0.9, top_p=0.8, min_p=0.05, repetition_penalty=1.4, max_new_tokens=12)}
 TOL = 2e-3  # fp32 both sides; the bf16 adapter is cast to fp32 by both engines
 # Greedy on the base model (no adapter yet): the random tiny model repeats its last token, so after a stop
 # token it stops at once and after a letter it runs to the limit — every ending, deterministically.
@@ -56,10 +59,12 @@ def _adapter(model_dir: str, seed: int):
 
 
 def _recompute(model_dir: str, adapter, prompt: list[int], tokens: list[int], sampling) -> list[float]:
-    """Processed logprob of each generated token, recomputed with transformers+peft in fp32."""
+    """Processed logprob of each generated token, recomputed by the learner's own path (a TrainGroup carrying
+    the batch's sampling knobs, collate_rows, the chunked CompletionScorer) with transformers+peft in fp32."""
     import torch
 
-    from asyncrl.client.engine import processed_logprobs
+    from asyncrl.coordinator.learner.learner import TrainGroup, collate_rows, rows_of, sampling_knobs
+    from asyncrl.models.logprobs import CompletionScorer
     from asyncrl.models.lora import load_base_model, load_lora, tensors_from_bytes, with_lora
     from asyncrl.protocol.messages import LoraSpec
 
@@ -69,11 +74,12 @@ def _recompute(model_dir: str, adapter, prompt: list[int], tokens: list[int], sa
         model = with_lora(base, LoraSpec(**LORA)).eval()
         load_lora(model, {k: v.float() for k, v in tensors_from_bytes(*adapter).items()})
         _MODELS[key] = model
-    ids = torch.tensor([prompt + tokens])
+    group = TrainGroup(list(prompt), [list(tokens)], [[0.0] * len(tokens)], [0.0], version=0,
+                       temperature=sampling.temperature, **sampling_knobs(sampling))
+    batch = collate_rows(rows_of([group]), 0, "cpu")
     with torch.no_grad():
-        logits = _MODELS[key](input_ids=ids).logits[0, len(prompt) - 1:-1].float()
-    lp = processed_logprobs(logits, sampling, vocab_limit=TOKENIZER_IDS)
-    return lp.gather(1, torch.tensor(tokens)[:, None]).squeeze(1).tolist()
+        lp = CompletionScorer(_MODELS[key], vocab_limit=TOKENIZER_IDS)(batch, entropy=False).logps
+    return lp[0, :len(tokens)].tolist()
 
 
 _MODELS: dict = {}
@@ -127,8 +133,8 @@ def test_vllm_engine_matches_transformers(driven):
     other_diffs: list[float] = []
     for run_name, run in result["runs"].items():
         version, sampling_name = run_name.split("/")
-        temperature, top_p, top_k, max_new = SAMPLINGS[sampling_name]
-        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new)
+        sampling = SamplingParams(**SAMPLINGS[sampling_name])
+        max_new = sampling.max_new_tokens
         assert len(run) == len(prompts)
         for prompt, group in zip(prompts, run):
             assert len(group) == GROUP
@@ -204,8 +210,8 @@ def _driver(model_dir: str, adapters_path: str, out_path: str) -> None:
         runs = {}
         for version, name in ((1, "v1"), (2, "v2")):
             engine.load_adapter(version, *adapters[name])
-            for sname, (t, p, k, n) in SAMPLINGS.items():
-                sampling = SamplingParams(temperature=t, top_p=p, top_k=k, max_new_tokens=n)
+            for sname, fields in SAMPLINGS.items():
+                sampling = SamplingParams(**fields)
                 runs[f"{name}/{sname}"] = [[s.__dict__ for s in g] for g in engine.generate(prompts, GROUP, sampling)]
         for version in (3, 4, 5):
             engine.load_adapter(version, *adapters["v1" if version % 2 else "v2"])

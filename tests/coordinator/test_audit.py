@@ -9,7 +9,7 @@ import torch
 from asyncrl import tasks
 from asyncrl.client.engine import TransformersEngine
 from asyncrl.coordinator.config import LORA_TARGETS
-from asyncrl.coordinator.learner.learner import Learner, TrainGroup
+from asyncrl.coordinator.learner.learner import Learner, TrainGroup, sampling_knobs
 from asyncrl.coordinator.learner.loss import LossConfig
 from asyncrl.coordinator.trust.audit import Auditor, mismatch, per_completion, shadow_model
 from asyncrl.models import tinymodel
@@ -50,15 +50,15 @@ def setup():
     return learner, auditor, engine, verdicts, publish
 
 
-def honest_groups(learner, engine, n=2, seed=0):
+def honest_groups(learner, engine, n=2, seed=0, sampling=SAMPLING):
     source = tasks.get_task("repeat", seed)
     prompts = [next(source) for _ in range(n)]
     ids = [learner.tokenizer(p.text)["input_ids"] for p in prompts]
     out = []
-    for p, pid, samples in zip(prompts, ids, engine.generate(ids, 8, SAMPLING)):
+    for p, pid, samples in zip(prompts, ids, engine.generate(ids, 8, sampling)):
         rewards = [tasks.score("repeat", learner.tokenizer.decode(s.token_ids), p.answer) for s in samples]
         out.append(TrainGroup(pid, [s.token_ids for s in samples], [list(s.logprobs) for s in samples], rewards,
-                              engine.version))
+                              engine.version, sampling.temperature, **sampling_knobs(sampling)))
     return out
 
 
@@ -289,3 +289,54 @@ def test_an_auditor_on_its_own_device_holds_a_full_copy_and_judges_the_same(setu
     with pytest.raises(ProtocolError) as e:
         own.check(b"s", b"f", v, forged(honest), valid_streak=0, current_version=v + 1)
     assert e.value.code is RejectCode.LOGPROB_MISMATCH
+
+
+TOP_P = SamplingParams(temperature=0.9, top_p=0.6, top_k=12, min_p=0.02, repetition_penalty=1.2, max_new_tokens=6)
+
+
+def unprocessed(learner, groups):
+    """A cheat's claim: each token's temperature-only log-prob (what the learner itself computes without
+    the knobs), where the engine sampled from the top-p distribution."""
+    plain = [TrainGroup(g.prompt_ids, g.completions, g.sampling_logprobs, g.rewards, g.version, g.temperature)
+             for g in groups]
+    logps, mask = learner.score_groups(plain)
+    rows = [(gi, j) for gi, g in enumerate(groups) for j in range(len(g.completions))]
+    out = [TrainGroup(g.prompt_ids, g.completions, [None] * len(g.completions), g.rewards, g.version, g.temperature,
+                      **{k: getattr(g, k) for k in ("top_p", "top_k", "min_p", "repetition_penalty")})
+           for g in groups]
+    for i, (gi, j) in enumerate(rows):
+        out[gi].sampling_logprobs[j] = logps[i, :len(groups[gi].completions[j])].tolist()
+    return out
+
+
+def test_an_honest_top_p_batch_passes_and_fabricated_ones_are_rejected(setup):
+    """With top-p / top-k / min-p / repetition penalty the audit recomputes the processed distribution the
+    volunteer sampled: an honest batch passes on both paths; logprobs forged, or reported for the
+    untruncated distribution, are LOGPROB_MISMATCH."""
+    learner, auditor, engine, verdicts, publish = setup
+    learner.version += 1  # a fresh version: earlier tests stepped without publishing, or loaded one of their own
+    publish()
+    v = learner.version
+    honest = honest_groups(learner, engine, n=3, seed=21, sampling=TOP_P)
+    liar = forged(honest_groups(learner, engine, n=2, seed=22, sampling=TOP_P))
+    untruncated = unprocessed(learner, honest_groups(learner, engine, n=2, seed=23, sampling=TOP_P))
+    stat_honest = auditor._shadow_mismatch(honest, v)
+    stat_untruncated = auditor._shadow_mismatch(untruncated, v)
+    print(f"top-p audit statistic: honest {stat_honest:.2e}, untruncated claim {stat_untruncated:.2e}, "
+          f"tolerance {auditor.tolerance:.2e}")
+    # train-time path: judged on the learner's own forward pass, the liars dropped before the gradient
+    for name, groups in ((b"h", honest), (b"m", liar), (b"u", untruncated)):
+        assert auditor.check(name, name, v, groups, valid_streak=0, current_version=v) == "deferred"
+    verdicts.seen.clear()
+    result = learner.step(honest + liar + untruncated)
+    assert result is not None and result.groups_used == len(honest)
+    assert sorted(verdicts.seen) == [(b"h", None, "train"), (b"m", RejectCode.LOGPROB_MISMATCH, "train"),
+                                     (b"u", RejectCode.LOGPROB_MISMATCH, "train")]
+    # ingest-time path: the version they were generated with, now an older one, from the kept tensors
+    learner.version += 1
+    publish()
+    assert auditor.check(b"s", b"honest-topp", v, honest, valid_streak=0, current_version=v + 1) == "passed"
+    for name, groups in ((b"forged-topp", liar), (b"untruncated-topp", untruncated)):
+        with pytest.raises(ProtocolError) as e:
+            auditor.check(b"s", name, v, groups, valid_streak=0, current_version=v + 1)
+        assert e.value.code is RejectCode.LOGPROB_MISMATCH

@@ -191,9 +191,45 @@ def test_trl_grpoconfig_names_are_aliases_where_the_meaning_is_the_same():
     assert cfg.loss.max_completion_length == 256  # dr_grpo's normaliser follows it, as TRL's does
 
 
+def test_trl_sampling_names_set_the_knobs_volunteers_sample_with(tmp_path, capsys):
+    import json
+
+    from asyncrl.coordinator import cli
+    from asyncrl.coordinator.config_file import resolve_config
+
+    cfg = resolve_config({"top_p": 0.95, "top_k": 50, "min_p": 0.05, "repetition_penalty": 1.1, "temperature": 0.7},
+                         source="trl.toml")
+    assert (cfg.top_p, cfg.top_k, cfg.min_p, cfg.repetition_penalty, cfg.temperature) == (0.95, 50, 0.05, 1.1, 0.7)
+    assert cli.main(["run", "--dry-run", "--model", "tiny", "--top-p", "0.9", "--top-k", "20", "--min-p", "0.1",
+                     "--repetition-penalty", "1.2"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert (got["top_p"], got["top_k"], got["min_p"], got["repetition_penalty"]) == (0.9, 20, 0.1, 1.2)
+
+
+@pytest.mark.parametrize("values, needle", [
+    ({"top_p": 0.0}, "top_p must be in"), ({"top_p": 1.5}, "top_p must be in"),
+    ({"top_p": float("nan")}, "top_p must be in"), ({"top_k": -2}, "top_k must be >= 0"),
+    ({"min_p": 1.5}, "min_p must be in"), ({"min_p": -0.1}, "min_p must be in"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be in"),
+    ({"repetition_penalty": 1e9}, "repetition_penalty must be in"),
+    ({"top_k": 0.5}, "top_k"),  # a float where TRL has an int
+])
+def test_bad_sampling_knobs_stop_the_start_naming_the_knob(values, needle):
+    from asyncrl.coordinator.config_file import resolve_config
+
+    with pytest.raises(ConfigError, match=needle):
+        resolve_config(values, source="trl.toml")
+
+
+def test_bad_sampling_flag_exits_2_with_the_message(capsys):
+    from asyncrl.coordinator import cli
+
+    assert cli.main(["run", "--dry-run", "--model", "tiny", "--top-p", "0"]) == 2
+    assert "top_p must be in (0, 1]" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("values, needle", [
     ({"per_device_train_batch_size": 8}, "groups_per_step"),
-    ({"top_p": 0.9}, "not supported"),
     ({"num_iterations": 2}, "trained once"),
     ({"learning_rate": 1e-5, "lr": 2e-5}, "both 'learning_rate'"),
 ])

@@ -219,12 +219,27 @@ def group_with(*completions: Completion, prompt=ids(1, 2)) -> tuple[RolloutGroup
         pytest.param(batch(generated_at=math.nan), id="nan-generated-at"),
         pytest.param(batch(sampling=SamplingParams(temperature=-1.0)), id="negative-temperature"),
         pytest.param(batch(sampling=SamplingParams(top_p=0.0)), id="zero-top-p"),
+        pytest.param(batch(sampling=SamplingParams(top_k=-1)), id="negative-top-k"),
+        pytest.param(batch(sampling=SamplingParams(min_p=1.5)), id="min-p-above-1"),
+        pytest.param(batch(sampling=SamplingParams(min_p=math.nan)), id="min-p-nan"),
+        pytest.param(batch(sampling=SamplingParams(repetition_penalty=0.0)), id="zero-repetition-penalty"),
+        pytest.param(batch(sampling=SamplingParams(repetition_penalty=math.inf)), id="inf-repetition-penalty"),
         pytest.param(batch(sampling=SamplingParams(max_new_tokens=0)), id="zero-max-new-tokens"),
     ],
 )
 def test_rollout_batch_rules(bad):
     assert code_of(validate_rollout_batch, bad) is RejectCode.MALFORMED
     assert code_of(decode_rollout_batch, encode(bad), max_bytes=BIG) is RejectCode.MALFORMED
+
+
+def test_sampling_knobs_at_their_defaults_are_not_on_the_wire():
+    """A lease or batch that uses none of min_p / repetition_penalty encodes without them, so it decodes in
+    a peer that predates those fields; one that uses them round-trips them."""
+    plain = msgspec.msgpack.decode(encode(batch()))["sampling"]
+    assert "min_p" not in plain and "repetition_penalty" not in plain
+    knobs = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, repetition_penalty=1.2)
+    again = decode_rollout_batch(encode(batch(sampling=knobs)), max_bytes=BIG)
+    assert again.sampling == knobs
 
 
 def test_too_long_sequence():
