@@ -21,6 +21,10 @@ import json
 from pathlib import Path
 
 
+
+CALIBRATION_PROMPTS = 32  # x 8 honest completions per version, as the start-up calibration sampled them
+CALIBRATION_TOKENS = 64  # longest completion (the statistic is a per-token trimmed mean)
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run-dir", required=True, help="a tiny-model run whose audit_versions/ holds kept versions")
@@ -36,7 +40,6 @@ def main(argv=None) -> int:
     from asyncrl.client.engine import TransformersEngine
     from asyncrl.coordinator.config_file import resolve_config
     from asyncrl.coordinator.learner.learner import Learner, TrainGroup
-    from asyncrl.coordinator.service import CALIBRATION_PROMPTS, CALIBRATION_TOKENS
     from asyncrl.coordinator.trust import audit as audit_mod
     from asyncrl.coordinator.trust.audit import Auditor, stored_versions
     from asyncrl.models import tinymodel
