@@ -233,7 +233,8 @@ def _drive(kids: DemoProcesses, run: Path, *, clients: int, steps: int, t0: floa
            interrupted: Interrupted) -> bool:
     """Start everything and wait for the coordinator to finish; True when the demo failed (logs printed)."""
     py = sys.executable
-    coord = kids.spawn([py, "-m", "asyncrl.coordinator.cli", "run", "--model", "tiny", "--run-dir", str(run),
+    coord = kids.spawn([py, "-m", "asyncrl.coordinator.cli", "run", "--model", "tiny", "--run-id", "demo",
+                        "--run-dir", str(run),
                         "--max-steps", str(steps), "--threads", "1"], run / "coordinator.log", volunteer=False)
     join = run / "join.txt"
     while not join.exists():

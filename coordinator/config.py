@@ -106,8 +106,8 @@ def _bad_peer_address(addresses) -> str | None:
 
 @dataclass
 class CoordinatorConfig:
-    run_id: str = "demo"
-    """Names the swarm: DHT keys and stream handlers are scoped by it."""
+    run_id: str = "run"
+    """Names the swarm: DHT keys and stream handlers are scoped by it. (The demo names its own "demo".)"""
     model: str = "Qwen/Qwen2.5-0.5B-Instruct"
     """A Hugging Face model id, local directory or GGUF file (converted once, models/gguf.py); "tiny" builds
     the built-in test model (and applies its toy preset, TINY_PRESET in coordinator/config.py, to fields not
@@ -116,8 +116,10 @@ class CoordinatorConfig:
     """Revision of a hub model: a branch, tag or commit sha. Resolved once at start to the immutable commit
     sha, which every adapter manifest pins (with tokenizer and stop-token hashes; volunteers verify them).
     For a local directory: "main" (its content hash is the revision) or the "sha256:..." it must have."""
-    run_dir: str = "runs/demo"
-    """Where the coordinator keeps its key, config.json, metrics.jsonl, summary.json and plots."""
+    run_dir: str = "runs/run"
+    """Where the coordinator keeps its key, config.json, metrics.jsonl, summary.json and plots. Not the
+    demo's runs/demo: `make demo` passes --overwrite (it replaces its own run), so a real run never
+    defaults into it."""
     task: str = "repeat"
     """Prompt source (tasks/sources.py): a built-in task ("repeat"), a .jsonl file (or jsonl:PATH)
     of {"prompt", "answer"[, "reward"]} lines, or hf:<dataset>[:config][:split] / hf:<saved dataset dir>."""
