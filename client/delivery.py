@@ -22,10 +22,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from asyncrl.protocol import envelope, messages
+import msgspec
+
+from asyncrl.protocol import envelope, messages, receipts
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.swarm import streams
 from asyncrl.swarm.streams import stream_name
+from asyncrl.swarm.transport import TransportError
 
 MAX_BACKOFF_S = 30.0
 SEAL_OVERHEAD = 256  # envelope header + body framing around a payload (bytes, generous)
@@ -67,8 +70,6 @@ class Delivery:
 
     def _upload_failed(self, exc: Exception | None) -> float:
         """The uploader's back-off: a flush the coordinator deferred (None) or one that could not reach it."""
-        from asyncrl.swarm.transport import TransportError
-
         if exc is not None and not isinstance(exc, TransportError):
             self.display.event("warning", f"upload failed: {exc.__class__.__name__}: {str(exc)[:300]}")
         elif exc is not None:
@@ -81,8 +82,6 @@ class Delivery:
         payload = messages.encode(batch)
         cap = self.max_batch_bytes
         if cap and len(payload) + SEAL_OVERHEAD > cap and len(batch.groups) > 1:
-            import msgspec
-
             half = len(batch.groups) // 2
             self.status.batches_split += 1
             return (self._spool(msgspec.structs.replace(batch, groups=batch.groups[:half]))
@@ -182,8 +181,6 @@ class Delivery:
             return False
         if len(batch.groups) < 2:
             return False
-        import msgspec
-
         half = len(batch.groups) // 2
         self.max_batch_bytes = min(self.max_batch_bytes or len(payload), len(payload))  # what we now know
         for part in (batch.groups[:half], batch.groups[half:]):
@@ -195,8 +192,6 @@ class Delivery:
         return True
 
     def _keep_receipt(self, batch_id: bytes, sealed: bytes) -> None:
-        from asyncrl.protocol import receipts
-
         if not sealed:
             self.status.receipts_missing += 1
             return
