@@ -19,12 +19,28 @@ import argparse
 import json
 import signal
 import sys
+import time
+import traceback
+from pathlib import Path
+
+from asyncrl.models import tinymodel
+from asyncrl.models.pinning import PinError
+from asyncrl.protocol.messages import LoraSpec
+from asyncrl.swarm.transport import TransportError
+from asyncrl.tasks import sources, toy
+from asyncrl.tasks.sources import TaskSourceError
+
+from .config import TINY_MODELS, TINY_PRESET, ConfigError, CoordinatorConfig
+from .config_file import config_dests, load_configs, overrides_from_args, resolve_config
+from .learner.loss_config import CORRECTIONS
+from .leasing.preflight import PreflightError
+from .operator.admin import add_subcommands
+from .operator.admin import main as admin_main
+from .operator.reporters import check_available
+from .trust.trust_cli import add_trust_arguments
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .config import TINY_PRESET, CoordinatorConfig
-    from .learner.loss_config import CORRECTIONS
-
     d = CoordinatorConfig()
     p = argparse.ArgumentParser(prog="asyncrl-coordinator", description="asyncrl coordinator: learner + publisher")
     sub = p.add_subparsers(dest="command", required=True)
@@ -170,14 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     ops.add_argument("--no-dashboard", dest="dashboard", action="store_const", const=False, default=d.dashboard)
     ops.add_argument("--report-to", type=lambda s: tuple(x for x in s.split(",") if x), default=d.report_to,
                      help="comma list of tensorboard, wandb, trackio (each must be installed)")
-    from .trust.trust_cli import add_trust_arguments
-
     add_trust_arguments(run, d)  # access modes, rate limits, strikes, generation audit (docs/SECURITY.md)
-    from .config_file import config_dests
-
     run.set_defaults(**{dest: None for dest in config_dests()})  # None = not given: the --config file wins
-    from .operator.admin import add_subcommands
-
     add_subcommands(sub)
     return p
 
@@ -186,10 +196,6 @@ def dry_run_task_problem(cfg) -> str | None:
     """What --dry-run can check of the task without a model or the network: a JSONL task file exists and
     every record (and every reward it names, with the columns it has) is valid; a saved dataset directory
     exists. Hub datasets are not fetched; other task kinds are checked when the coordinator starts."""
-    from pathlib import Path
-
-    from asyncrl.tasks import sources, toy
-
     spec = cfg.task
     if spec in toy.TASKS:
         return None
@@ -202,7 +208,7 @@ def dry_run_task_problem(cfg) -> str | None:
             local = spec[3:].split(":", 1)[0]
             if local.startswith(("/", ".")) and not Path(local).exists():
                 return f"dataset directory {local} does not exist"
-    except sources.TaskSourceError as exc:
+    except TaskSourceError as exc:
         return str(exc)
     return None
 
@@ -210,13 +216,7 @@ def dry_run_task_problem(cfg) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command != "run":
-        from .operator.admin import main as admin_main
-
         return admin_main(args)
-    from .config import TINY_MODELS, ConfigError
-    from .config_file import load_configs, overrides_from_args, resolve_config
-    from .operator.reporters import check_available
-
     try:
         file_values, source = load_configs(args.config or [])
         cfg = resolve_config(file_values, overrides_from_args(args), source=source)
@@ -236,11 +236,11 @@ def main(argv: list[str] | None = None) -> int:
         print(cfg.to_json())
         return 0
 
-    import torch
+    import torch  # torch, and below the modules that import it, load only once a run starts: --help stays instant
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from .learner.ddp import world
+    from .learner.ddp import end_process, joined, world
     from .service import Coordinator, install_signal_handlers
 
     if world()[1] > 1 and world()[0] > 0:  # torchrun / accelerate: only rank 0 runs the network side
@@ -248,14 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     coord = Coordinator(cfg, out=lambda s: print(s, flush=True))
     install_signal_handlers(coord.stop)
     signal.signal(signal.SIGUSR1, lambda signum, frame: coord.telemetry.request_plot())
-    from .learner.ddp import end_process, joined
-
     try:
         code = _serve(coord)
     except BaseException:
         if joined():  # a joined gloo/nccl group: end without the interpreter's teardown (ddp.end_process)
-            import traceback
-
             traceback.print_exc()
             end_process(1)
         raise
@@ -265,12 +261,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(coord) -> int:
     """Start, run, shut down; the summary line on success. The exit code."""
-    from asyncrl.models.pinning import PinError
-    from asyncrl.swarm.transport import TransportError
-    from asyncrl.tasks.sources import TaskSourceError
-
-    from .checkpoint import CheckpointError
-    from .leasing.preflight import PreflightError
+    from .checkpoint import CheckpointError  # torch at import: only once a run starts (--help stays instant)
 
     try:
         coord.start()
@@ -291,13 +282,8 @@ def _serve(coord) -> int:
 
 def run_follower(cfg, out=print) -> int:
     """Entry for ranks > 0 under torchrun: no network, no files; train what rank 0 broadcasts."""
-    import time
-    from pathlib import Path
-
-    from asyncrl.models import tinymodel
-    from asyncrl.protocol.messages import LoraSpec
-
-    from .base_model import resolve_model
+    from .base_model import resolve_model  # these import torch: only once a run starts
+    from .checkpoint import Checkpointer, CheckpointError, restore_learner
     from .learner.ddp import finish_rank, make_learner
 
     if cfg.model in ("tiny", tinymodel.TINY_MODEL_NAME):  # rank 0 writes the tiny model; do not race it
@@ -310,8 +296,6 @@ def run_follower(cfg, out=print) -> int:
                     target_modules=tuple(cfg.lora_targets))
     learner = make_learner(path, lora, **cfg.learner_kwargs())  # the same options as rank 0 (service.py)
     if cfg.resume:
-        from .checkpoint import Checkpointer, CheckpointError, restore_learner
-
         ckpt = Checkpointer(Path(cfg.run_dir) / "checkpoints", out=out).latest()
         if ckpt is None:
             raise CheckpointError(f"--resume: no checkpoint in {cfg.run_dir}/checkpoints")

@@ -33,25 +33,52 @@ the network (coordinator/publisher.py PublishWorker holds the back-pressure inva
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 import time
 from pathlib import Path
 
+import torch
+
+from asyncrl import signals
 from asyncrl.protocol import messages
 from asyncrl.protocol.atomic import read_json, write_json_atomic
 from asyncrl.protocol.errors import ProtocolError, RejectCode
+from asyncrl.protocol.handshake import MAX_INFO_REQUEST_BYTES, MAX_REWARD_PACKAGES, RewardPackage
 from asyncrl.protocol.handshake import package_versions as handshake_package_versions
 from asyncrl.protocol.identity import Identity
 from asyncrl.runlog import METRICS_FILE, RunLog
 from asyncrl.swarm import streams
+from asyncrl.swarm.inbound import InboundLimits
+from asyncrl.swarm.providers import ProviderDesk
+from asyncrl.swarm.serving import AdapterServer, ServeBudget
 from asyncrl.swarm.streams import stream_name
+from asyncrl.swarm.transport import SwarmNode, TransportError
+from asyncrl.tasks.rewards import packages_of
+from asyncrl.tasks.sources import TaskSourceError
 
+from . import checkpoint
 from .base_model import resolve_model
 from .config import CoordinatorConfig
 from .ingest.episodes import environment_pin, replay_metrics
-from .leasing.leasing import MAX_LEASE_REQUEST_BYTES
+from .ingest.ingest import Ingest
+from .ingest.journal import IngestJournal
+from .ingest.receipts import ReceiptDesk
+from .learner.ddp import make_learner
+from .leasing import preflight
+from .leasing.handshake import GatePolicy, HandshakeDesk
+from .leasing.leasing import MAX_LEASE_REQUEST_BYTES, LeaseDesk, LeasePolicy
+from .leasing.quorum import VolunteerQuorum
+from .leasing.sync_round import SyncRound
+from .leasing.taskboard import TaskBoard
 from .operator.capacity import CapacityMeter
-from .operator.reward_log import reward_stats
+from .operator.reward_log import CompletionLog, RewardErrors, reward_stats
+from .operator.telemetry import Telemetry
+from .publisher import Publisher, PublishWorker, export_version
+from .run_end import RunEnd
+from .trust.access import AccessControl, AccessPolicy
+from .trust.audit import Auditor
+from .trust.trust_state import TrustState
 
 FINAL_POINTER_WAIT_S = 90.0  # at the run's end the publisher thread may still be storing the last version
 AUDIT_ENGINES_FILE = "audit_engines.json"  # each engine class's learned audit tolerance (trust/audit_policy.py)
@@ -60,10 +87,6 @@ AUDIT_ENGINES_FILE = "audit_engines.json"  # each engine class's learned audit t
 
 def task_reward_packages(source, cfg) -> tuple:
     """The packages the task's rewards come from (records' own specs and the default), for the handshake."""
-    from asyncrl.protocol.handshake import MAX_REWARD_PACKAGES, RewardPackage
-    from asyncrl.tasks.rewards import packages_of
-    from asyncrl.tasks.sources import TaskSourceError
-
     specs = {r.reward for r in getattr(source, "records", ())} | {cfg.reward_spec()}
     found = [RewardPackage(reward=n, package=d, version=v) for n, d, v in packages_of(specs)]
     if len(found) > MAX_REWARD_PACKAGES:
@@ -80,33 +103,23 @@ class Coordinator:
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         cfg.write(self.run_dir)
-        self.identity, created = Identity.load_or_create(self.run_dir / "coordinator.key")
+        self.identity, _ = Identity.load_or_create(self.run_dir / "coordinator.key")
         self.identity.write_libp2p_identity(self.run_dir / "p2p.identity")
-        from .operator.telemetry import Telemetry
-
         self.telemetry = Telemetry(cfg, self.run_dir, out=out)
         self.log = RunLog(self.run_dir / METRICS_FILE, listeners=[self.telemetry.observe])
         self.t0 = time.time()
         self.trained_by: dict[str, int] = {}  # volunteer key fingerprint -> groups trained on (this process)
         # does the swarm keep the learner busy? how many more volunteers would? (coordinator/operator/capacity.py)
         self.capacity = CapacityMeter(samples_per_step=cfg.groups_per_step * cfg.group_size, group_size=cfg.group_size)
-        from .operator.reward_log import RewardErrors
-
         self.reward_errors = RewardErrors()  # what volunteers' reward functions raised (operator/reward_log.py)
         self.handshake_refusals = RewardErrors()  # volunteers turned away at the handshake (same shape of record)
-        from .run_end import RunEnd
-
         self.run_end = RunEnd(self.run_dir, active_window_s=cfg.lease_timeout_s)  # max_steps / `finish`: say so
 
     # ---- start-up ---------------------------------------------------------------------------
     def start(self) -> str:
-        from asyncrl.swarm.transport import SwarmNode
-
         cfg = self.cfg
         # The DHT forks: create it before torch spins up threads or CUDA.
         # With initial_peers it joins an existing DHT (e.g. a stock hivemind-dht node) instead of starting one.
-        from asyncrl.swarm.transport import TransportError
-
         try:
             self.node = SwarmNode(initial_peers=cfg.initial_peers, host_maddrs=[f"/ip4/{cfg.host}/tcp/{cfg.port}"],
                                   announce_maddrs=cfg.announce or None,
@@ -117,7 +130,7 @@ class Coordinator:
             raise TransportError(f"could not join the DHT through --initial-peers {' '.join(cfg.initial_peers)} "
                                  f"({exc.__class__.__name__}: {exc}); is one of them running and reachable?") from None
         assert self.node.peer_id == self.identity.peer_id, "p2pd did not adopt the coordinator key"
-        from asyncrl.swarm.providers import ProviderDesk
+        # swarm/records.py imports hivemind (seconds, a thread) at import: loaded with the node, not this module
         from asyncrl.swarm.records import PointerRecord, PresenceTracker, call_back_then_push, install_validator
 
         install_validator(self.node, cfg.run_id, self.node.peer_id)  # only our key may write our pointer
@@ -137,12 +150,6 @@ class Coordinator:
         threading.Thread(target=call_back_then_push, args=(self.presence_tracker, self.pointer), name="call-back",
                          daemon=True).start()
 
-        from . import checkpoint
-        from .ingest.ingest import Ingest
-        from .ingest.journal import IngestJournal
-        from .leasing.taskboard import TaskBoard
-        from .publisher import Publisher, PublishWorker
-
         self.base = resolve_model(cfg, out=self.out)  # PinError (one line, exit 2) when it cannot be pinned
         path, pin = self.base.path, self.base.pin
         self.base_model, self.base_revision = pin.name, pin.revision
@@ -150,12 +157,9 @@ class Coordinator:
                  f"stop tokens {list(pin.stop_token_ids)})")
         self.lora = messages.LoraSpec(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                                       target_modules=tuple(cfg.lora_targets))
-        from .learner.ddp import make_learner  # a DDP learner under torchrun (coordinator/learner/ddp.py)
-
-        self.learner = make_learner(path, self.lora, **cfg.learner_kwargs())  # device, dtype, micro-batches...
+        # a DDP learner under torchrun (coordinator/learner/ddp.py); device, dtype, micro-batches from the config
+        self.learner = make_learner(path, self.lora, **cfg.learner_kwargs())
         self.initial_lora = self.learner.lora_parameters()
-        from .leasing import preflight
-
         source = preflight.open_task(cfg, self.learner.tokenizer, self.learner.model.config)  # checked whole
         self.task_report = source.report
         if source.report is not None:
@@ -175,16 +179,11 @@ class Coordinator:
                                prompt_max_failures=cfg.prompt_max_failures,
                                records=source.report.records if source.report is not None else 0)
         self.journal = IngestJournal(self.run_dir / "journal")
-        from .trust.access import AccessControl, AccessPolicy
-        from .trust.audit import Auditor
-
         self.access = AccessControl(AccessPolicy.from_config(cfg))  # who may talk, how often; strikes, bans
         self.board.standing = self.access.has_accepted  # reports of proven keys weigh more (poison retirement)
         self.node.inbound.trusted = self.access.peer_has_accepted  # their requests may use the whole byte budget
         self.auditor = Auditor.from_config(cfg, self.learner)  # logprob audit; shares the learner's base weights
         self.auditor.policy.on_event = self._audit_event  # an engine class starts / ends learning its tolerance
-        from .ingest.receipts import ReceiptDesk
-
         self.receipts = ReceiptDesk(self.identity, cfg.run_id, self.run_dir / "receipts.bin")  # signed proof per ack
         self.ingest = Ingest(identity_public_key=self.identity.public_key, run_id=cfg.run_id, board=self.board,
                              tokenizer=self.learner.tokenizer, vocab_size=self.learner.vocab_size,
@@ -202,21 +201,13 @@ class Coordinator:
         self.auditor.attach(self.ingest)
         self.sync_round = None
         if cfg.sync:  # the synchronous baseline (benchmarks): coordinator/leasing/sync_round.py
-            from .leasing.sync_round import SyncRound
-
             self.sync_round = SyncRound(self.ingest, self.board, live_s=cfg.lease_timeout_s)
-        from .leasing.handshake import GatePolicy
-        from .leasing.leasing import LeaseDesk, LeasePolicy
-        from .leasing.quorum import VolunteerQuorum
-
         self.quorum = VolunteerQuorum(cfg.wait_for_volunteers, on_event=self._quorum_event)
         self.lease_desk = LeaseDesk(LeasePolicy.from_config(cfg), audience=self.identity.public_key, board=self.board,
                                     ingest=self.ingest, access=self.access, tokenizer=self.learner.tokenizer,
                                     current_version=lambda: self.publish_worker.published_version,
                                     sync_round=self.sync_round, quorum=self.quorum, gate=GatePolicy.from_config(cfg),
                                     on_reward_error=self._reward_error)
-        from .operator.reward_log import CompletionLog
-
         self.completion_log = CompletionLog(self.run_dir / "completions.jsonl", self.learner.tokenizer,
                                             every=cfg.log_completions_every, count=cfg.log_completions_count)
         self.publisher = Publisher(self.identity, run_id=cfg.run_id, base_model=self.base_model,
@@ -243,8 +234,6 @@ class Coordinator:
             learned = self.auditor.policy.load_state(read_json(self.run_dir / AUDIT_ENGINES_FILE, {}))
             if learned:
                 self.out("audit tolerance per engine class (resumed): " + _engines_line(self.auditor.engines_status()))
-        from .trust.trust_state import TrustState
-
         self.trust = TrustState(self.run_dir, ingest=self.ingest, access=self.access, auditor=self.auditor,
                                 lease_desk=self.lease_desk, engines_file=AUDIT_ENGINES_FILE,
                                 every_s=cfg.trust_state_every_s, out=self.out)
@@ -292,8 +281,6 @@ class Coordinator:
         """The TCP ports `peer`'s libp2p node announces (its identify addresses in our daemon's peer store): the
         only ports a NAT dial-back may try besides the one it is seen connecting from
         (coordinator/leasing/handshake.py)."""
-        import re
-
         for info in await self.node.p2p.list_peers():
             if info.peer_id.to_base58() == peer:
                 return {int(p) for a in info.addrs for p in re.findall(r"/tcp/(\d+)", str(a))}
@@ -338,10 +325,6 @@ class Coordinator:
             ack = await node.run_blocking(self.gate.run, ingest_or_finished, request, peer)
             return messages.encode(ack)
 
-        from asyncrl.protocol.handshake import MAX_INFO_REQUEST_BYTES
-
-        from .leasing.handshake import GatePolicy, HandshakeDesk
-
         self.handshake = HandshakeDesk(run_id=cfg.run_id, gate=GatePolicy.from_config(cfg),
                                        window_s=cfg.timestamp_window_s, max_staleness=cfg.max_staleness,
                                        lease_timeout_s=cfg.lease_timeout_s, pointer=lambda: self.pointer.last,
@@ -355,8 +338,6 @@ class Coordinator:
 
         node.serve(streams.INFO, self.handshake.handle, max_request_bytes=MAX_INFO_REQUEST_BYTES, with_addr=True,
                    admit=admit_info)
-        from asyncrl.swarm.serving import AdapterServer, ServeBudget
-
         # manifest + chunk handlers: banned peers refused; keys with accepted batches served first (docs/transport.md)
         self.serve_budget = ServeBudget(trusted=self.access.peer_has_accepted, stranger_bps=cfg.serve_new_bps,
                                         stranger_peer_bps=cfg.serve_new_peer_bps)
@@ -371,8 +352,6 @@ class Coordinator:
     def _publish(self) -> None:
         """Learner thread: copy the live LoRA weights to CPU in the publish dtype and hand them to the
         publisher thread (never blocks; a version still waiting there is superseded)."""
-        from .publisher import export_version
-
         self.publish_worker.submit(export_version(self.learner, self.cfg.publish_dtype))
 
     def _on_published(self, record: dict) -> None:
@@ -382,10 +361,8 @@ class Coordinator:
     def _before_visible(self, export) -> None:
         """Publisher thread, before a version can reach any volunteer: the audit copy, then lineage.json
         (a resumed run numbers its versions above it)."""
-        from .checkpoint import record_published
-
         self.auditor.remember_published(export.version, export.specs, export.blobs, export.learner_steps)
-        record_published(self.run_dir, export.version)
+        checkpoint.record_published(self.run_dir, export.version)
 
     # ---- learner loop -----------------------------------------------------------------------
     def run(self) -> dict:
@@ -490,8 +467,6 @@ class Coordinator:
                 f"adapter v{self.learner.version}")
 
     def summary(self) -> dict:
-        import torch
-
         final = self.learner.lora_parameters()
         delta = sum(float((final[k] - self.initial_lora[k]).float().norm() ** 2) for k in final) ** 0.5
         with self.ingest.lock:
@@ -605,8 +580,6 @@ class Coordinator:
 
 def inbound_limits(cfg: CoordinatorConfig):
     """The coordinator's inbound budgets (swarm/inbound.py) from its config."""
-    from asyncrl.swarm.inbound import InboundLimits
-
     return InboundLimits(max_inflight_bytes=cfg.inbound_bytes,
                          max_inflight_bytes_per_peer=max(2 * cfg.max_batch_bytes, cfg.inbound_bytes // 8),
                          max_streams_per_peer=cfg.max_streams_per_peer, min_read_bps=cfg.min_upload_bps,
@@ -625,6 +598,4 @@ def _saved_peers(path: Path) -> dict[str, list[str]]:
 
 
 def install_signal_handlers(stop: threading.Event) -> None:
-    from asyncrl import signals
-
     signals.install(lambda signum: stop.set())
