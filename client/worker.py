@@ -42,7 +42,7 @@ from asyncrl.swarm.streams import stream_name
 
 from .episodes import episode_completion, generate_episodes, is_episode_lease
 
-MAX_BACKOFF_S = 30.0
+MAX_BACKOFF_S = 30.0  # outbox full: longest wait for uploads to make room
 ENGINE_FAILURE_STREAK = 3  # works in a row in which the engine served no lease at all: the engine is broken
 FOLLOW_FIRST_WAIT_S, FOLLOW_MAX_WAIT_S = 5.0, 120.0  # --follow: how often to ask for the next run
 
@@ -279,7 +279,10 @@ class Volunteer:
         self._awaiting_ack: dict[bytes, PendingAck] = {}  # spooled batch id -> its leases' grant (sizing)
         self._settled = threading.Event()  # an upload was answered
         self._uploader = None
-        self._upload_backoff = 1.0
+        from .pacing import ReconnectBackoff
+
+        self._upload_retry = ReconnectBackoff()  # the uploader's waits after a failed or deferred flush
+        self._lease_retry = ReconnectBackoff()  # the lease loop's, after a call that reached no coordinator
         self.canary_refused: int | None = None  # a version whose canary failed: no work until a newer one passes
         self._canary_report = None  # a passed canary, said with the next lease request
         if self.outbox.migrated:
@@ -475,6 +478,7 @@ class Volunteer:
                         continue
                     self.status.state = "working"
                     work = ahead.take() if ahead is not None and ahead.asked else self._fetch_work()
+                    self._lease_retry.reset()  # the coordinator answered
                     if not work.leases:
                         if work.retry_after > 0:  # the coordinator's waiting line (client/pacing.py IdleBackoff)
                             self.stop.wait(self.idle.after_empty(work.retry_after))
@@ -515,9 +519,7 @@ class Volunteer:
                     self.stop.wait(backoff)
                     backoff = min(MAX_BACKOFF_S, backoff * 2)
                 except TransportError as exc:
-                    self.display.event("warning", f"coordinator unreachable ({exc}); retrying in {backoff:.0f}s")
-                    self.stop.wait(backoff)
-                    backoff = min(MAX_BACKOFF_S, backoff * 2)
+                    self.stop.wait(self._reconnect_wait(self._lease_retry, exc))
                 self._write_status()
                 self.display.status(self.status, version=self.sync.current.version if self.sync.current else None,
                                     latest=self.latest_version, outbox=len(self.outbox))
@@ -560,11 +562,19 @@ class Volunteer:
         """The uploader's back-off: a flush the coordinator deferred (None) or one that could not reach it."""
         from asyncrl.swarm.transport import TransportError
 
-        if exc is not None and not isinstance(exc, TransportError):
+        if isinstance(exc, TransportError):
+            return self._reconnect_wait(self._upload_retry, exc)
+        if exc is not None:
             self.display.event("warning", f"upload failed: {exc.__class__.__name__}: {str(exc)[:300]}")
-        elif exc is not None:
-            self.display.event("warning", f"coordinator unreachable ({exc}); retrying in {self._upload_backoff:.0f}s")
-        wait, self._upload_backoff = self._upload_backoff, min(MAX_BACKOFF_S, self._upload_backoff * 2)
+        return self._upload_retry.after_failure(exc)
+
+    def _reconnect_wait(self, retry, exc: Exception) -> float:
+        """How long to wait after `exc` (a TransportError) by its class (client/pacing.py ReconnectBackoff),
+        said on the display."""
+        wait = retry.after_failure(exc)
+        what = ("coordinator starting (it answers but serves no such stream yet)" if retry.last_class == "starting"
+                else "coordinator unreachable")
+        self.display.event("warning", f"{what} ({exc}); retrying in {wait:.1f}s", reconnect=retry.last_class)
         return wait
 
     def _return_ahead(self, ahead, reason: str) -> None:
@@ -942,7 +952,7 @@ class Volunteer:
                         continue
                     if not self._upload(batch_id, payload):
                         return False
-                self._upload_backoff = 1.0
+                self._upload_retry.reset()
                 return True
             finally:
                 if self.status.batches_sent != sent and self._uploader is not None:
