@@ -287,7 +287,9 @@ def run_volunteer(cfg, args) -> tuple[int, object]:
 
     from .checks import DOCTOR_HINT
     from .engine import EngineUnavailable
-    from .worker import BaseModelMismatch, EngineFailed, JoinCheckFailed, RunFinished, Volunteer
+    from .rollout import EngineFailed
+    from .session import BaseModelMismatch, JoinCheckFailed, RunFinished
+    from .worker import Volunteer
 
     try:
         vol = Volunteer(cfg)

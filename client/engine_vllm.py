@@ -86,7 +86,7 @@ class VLLMEngine:
         model_config = self.llm.llm_engine.model_config
         self.context_limit: int = model_config.max_model_len  # prompt + completion tokens (the volunteer checks)
         # sequences one step runs at once (the volunteer leases enough prompts to fill it: client/lease_sizing.py)
-        # and the KV cache's size in tokens: both printed at start (client/worker.py engine_sizing)
+        # and the KV cache's size in tokens: both printed at start (client/session.py engine_sizing)
         vllm_config = self.llm.llm_engine.vllm_config
         self.max_num_seqs: int = vllm_config.scheduler_config.max_num_seqs
         cache = vllm_config.cache_config  # the KV cache the engine core allocated (0 when it did not say)

@@ -5,7 +5,7 @@ of its G episodes is reset from the lease's record and the seed its prompt id gi
 episodes are sent to the engine as prompts of one sample each (their whole context so far: the transformers
 engine re-prefills it; vLLM's prefix cache reuses it), capped at each episode's own budget. The environment
 answers on this machine under its per-step time limit; an `EnvError` (it raised or hung) costs this lease
-only (client/worker.py abandons it), never the volunteer. The coordinator replays every episode
+only (client/rollout.py abandons it), never the volunteer. The coordinator replays every episode
 (coordinator/ingest/episodes.py), so rewards here are the environment's, not a guess.
 """
 

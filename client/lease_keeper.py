@@ -1,7 +1,7 @@
 """LeaseKeeper: keeps the leases a volunteer is working on alive while its engine generates.
 
 A lease expires `lease_timeout_s` after its grant unless renewed (coordinator/leasing/taskboard.py `renew`). A
-1024-token group on a slow GPU can take longer than that, so while `Volunteer._work` generates, this
+1024-token group on a slow GPU can take longer than that, so while the volunteer generates (client/rollout.py), this
 thread sends renewal-only LeaseRequests (`max_prompts=0, renew=ids`) on the lease stream:
 
   * the first one after `first_s` (a third of what the grant's `expires_at` suggests, at most

@@ -1,6 +1,6 @@
 """ReceiptLedger: this volunteer's signed contribution receipts, append-only in its data directory.
 
-The hub (client/worker.py) checks each Ack's receipt against the coordinator key of the join address
+The volunteer (client/delivery.py) checks each Ack's receipt against the coordinator key of the join address
 (and our own key, and the batch id) and appends it to `<data-dir>/receipts.ledger` — `u32 length |
 sealed receipt` records, fsynced (protocol/atomic.py `append_record`) — before deleting the batch from
 the outbox. The ledger is only ever appended to; a torn last record from a crash is cut off.

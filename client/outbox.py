@@ -2,7 +2,7 @@
 
 What is spooled is the batch's *payload* — the encoded RolloutBatch, unsigned — under its batch id
 (sha256 of the payload). The envelope (timestamp, nonce, signature) is sealed afresh at every upload
-attempt (client/worker.py), so a batch outlives a coordinator outage of any length: the coordinator's
+attempt (client/delivery.py), so a batch outlives a coordinator outage of any length: the coordinator's
 timestamp window (`EXPIRED`) only ever sees a fresh seal. The id never changes, so the coordinator's
 idempotent ingest still turns retries into exactly-once.
 

@@ -1,26 +1,36 @@
 """Volunteer hub: join, follow the adapter, generate, score, sign, spool, upload.
 
+`Volunteer` is this hub: it holds the config, the status and the components, and runs the engine thread's
+loop. Its behaviour lives in four parts, each a module of its own that `Volunteer` inherits (they share the
+hub's state; none imports this hub):
+
+  Session      (client/session.py)   join checks, the P2P node, the first adapter, the pinned engine, adapter
+                                     hot-swaps checked by their canary
+  LeaseCalls   (client/lease_rpc.py) the one lease RPC client: ask for work, renew, return, goodbye
+  Rollout      (client/rollout.py)   generate, score, build the RolloutBatch, abandon what one lease breaks
+  Delivery     (client/delivery.py)  spool, upload sealed afresh, what each answer does to a spooled batch
+
 Components (one job each; none references this hub):
   SwarmNode    (asyncrl.swarm.transport)  hivemind DHT + P2P streams to the coordinator
-  AdapterSync  watch the signed pointer, fetch + verify + decode adapter versions
-  Engine       generation with per-token sampling logprobs (transformers; vLLM plugs in here)
-  Outbox       batch payloads on disk until acked (client/outbox.py); sealed afresh at each upload
+  AdapterSync  (client/adapter_sync.py) watch the signed pointer, fetch + verify + decode adapter versions
+  Engine       (client/engine.py) generation with per-token sampling logprobs (transformers; vLLM plugs in here)
+  Outbox       (client/outbox.py) batch payloads on disk until acked; sealed afresh at each upload
   ReceiptLedger (client/ledger.py) each ack's coordinator-signed receipt, verified, append-only
+  LeaseKeeper  (client/lease_keeper.py) renews the leases being worked on
   LeaseSizer   (client/lease_sizing.py) prompts per lease from this machine's measured rate
   IdleWatch    (client/polite.py) --only-when-idle / `asyncrl-client pause`: pause, returning unfinished leases
-  status.json  what this volunteer did (for `asyncrl-client status` and tests)
-
-  LeaseRpc     (client/lease_rpc.py) the one lease-stream call: ask, renew, return, goodbye
   pipeline     (client/pipeline.py) LeaseAhead / Stage / Uploader: the threads that keep the engine busy
+  status.json  what this volunteer did (for `asyncrl-client status` and tests)
 
 Loop (the engine thread): poll the pointer (hot-swap a newer adapter between batches) -> take the leases
 fetched ahead (and ask for the next ones) -> generate G completions each, all prompts in one engine call
 -> hand the work to the scorer thread (score -> spool the RolloutBatch payload), whose spool wakes the
 uploader thread (seal with a fresh timestamp + nonce -> upload -> delete on ack). `--no-pipeline` runs the
-same steps in series on one thread (benchmarks compare the two). What each answer does to a spooled batch (`UPLOAD_OUTCOMES`, docs/client.md): acked or
-duplicate -> deleted; busy / clock / deadline -> kept, the flush stops and retries later; refused after the
-coordinator read it -> deleted and counted; too large -> split by groups (or quarantined when it is one
-group); a coordinator that cannot take it at all (not admitted, other run, other schema) -> quarantined.
+same steps in series on one thread (benchmarks compare the two). What each upload answer does to a spooled
+batch: client/delivery.py and docs/client.md.
+
+Fault injection for tests subclasses `Volunteer` and overrides one of these parts' methods
+(tests/fault_volunteer.py); the shipping volunteer carries no test hooks.
 
     asyncrl-client join /ip4/127.0.0.1/tcp/31337/p2p/12D3KooW...
 """
@@ -32,45 +42,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
-
-from asyncrl.protocol import envelope, limits, messages
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import Identity
-from asyncrl.swarm import streams
-from asyncrl.swarm.streams import stream_name
 
-from .episodes import episode_completion, generate_episodes, is_episode_lease
+from .delivery import Delivery, PendingAck
+from .pacing import MAX_BACKOFF_S
+from .lease_rpc import FINAL_LEASE_REJECTS, LeaseCalls
+from .rollout import Rollout
+from .session import Session
 
-MAX_BACKOFF_S = 30.0  # outbox full: longest wait for uploads to make room
-ENGINE_FAILURE_STREAK = 3  # works in a row in which the engine served no lease at all: the engine is broken
-FOLLOW_FIRST_WAIT_S, FOLLOW_MAX_WAIT_S = 5.0, 120.0  # --follow: how often to ask for the next run
-
-SEAL_OVERHEAD = 256  # envelope header + body framing around a payload (bytes, generous)
-MAX_INTERNAL_RETRIES = 5  # a batch the coordinator keeps failing on (INTERNAL) is quarantined after this
-
-
-def _codes(*codes: RejectCode) -> frozenset[str]:
-    return frozenset(c.value for c in codes)
-
-
-# What an upload's answer does to the spooled batch. Sealing happens at upload, so EXPIRED / NONCE_REUSED
-# only mean "try again with a fresh seal" (a clock off by more than the window: say so, keep the batch).
-RETRY_LATER = _codes(RejectCode.RATE_LIMITED, RejectCode.EXPIRED, RejectCode.NONCE_REUSED,
-                     RejectCode.DEADLINE_EXCEEDED)  # keep it; stop this flush; back off
-RETRY_BATCH = _codes(RejectCode.INTERNAL, RejectCode.UNSCORABLE)  # keep it at the back of the line; go on
-QUARANTINE = _codes(RejectCode.NOT_ALLOWED, RejectCode.UNSUPPORTED_VERSION, RejectCode.WRONG_RUN,
-                    RejectCode.WRONG_AUDIENCE)  # the coordinator could not judge it: set aside, never deleted
-SPLIT = _codes(RejectCode.PAYLOAD_TOO_LARGE)  # split by groups and re-spool; one group: quarantine
-# Everything else (STALE_VERSION, UNKNOWN_LEASE, REWARD_MISMATCH, ...) means the coordinator read the batch
-# and refused it for good: the spooled copy is deleted and the code counted.
-FINAL_REJECTS = frozenset(c.value for c in RejectCode) - RETRY_LATER - RETRY_BATCH - QUARANTINE - SPLIT - \
-    _codes(RejectCode.DUPLICATE_BATCH)
-# A lease refused with these ends the volunteer's run: asking again can never succeed.
-FINAL_LEASE_REJECTS = {RejectCode.UNSUPPORTED_VERSION, RejectCode.NOT_ALLOWED, RejectCode.TOO_SLOW}
-MAX_SIZES_KEPT = 64  # status.json keeps this many recent lease sizes
 PAUSE_POLL_S = 2.0  # paused: how often to look whether the machine is free again
-RELEASE_RETRY_S = 1.0  # a release whose answer was lost is sent once more after this
 
 
 @dataclass
@@ -156,82 +137,7 @@ class VolunteerStatus:
     canary_failures: int = 0  # versions refused because the engine did not match the coordinator's canary
 
 
-@dataclass
-class Work:
-    """Leases granted together, on their way through the pipeline (client/pipeline.py)."""
-    leases: list
-    keeper: object  # LeaseKeeper renewing them since the grant (None for an empty grant)
-    granted_at: float  # monotonic
-    retry_after: float = 0.0  # an empty grant: the coordinator's waiting line
-    version: int = -1  # the adapter it was generated with
-    generated: list = field(default_factory=list)  # (lease, samples)
-    unfinished: list = field(default_factory=list)  # leases a pause left unstarted (returned)
-    reason: str | None = None
-
-
-@dataclass
-class PendingAck:
-    """A spooled batch's leases: when they were granted, how many prompts were tried (the sizer's sample)."""
-    prompts: int
-    granted_at: float
-    measured: bool = False
-
-
-class EngineFailed(RuntimeError):
-    """The engine failed every lease of several works in a row: it is broken, not one prompt."""
-
-
-def engine_dtype(engine) -> str:
-    """The wire name of the dtype an engine computes logprobs in ("" when it does not say)."""
-    name = str(getattr(engine, "dtype", "")).replace("torch.", "")
-    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(name, "")
-
-
-def engine_kind(engine) -> str:
-    """The wire name of an engine's kind (its `name`: "transformers", "vllm"; "" when it has none or one the
-    wire cannot carry): the coordinator learns an audit tolerance per kind and dtype."""
-    name = str(getattr(engine, "name", "")).lower()
-    return name if 0 < len(name) <= 32 and all(c.isalnum() or c in "_.-" for c in name) and name.isascii() else ""
-
-
-def engine_sizing(engine, manifest: messages.AdapterManifest, *, capped_by_user: bool) -> str:
-    """The line `join` prints once its engine runs: the context it serves and why, how many sequences it runs
-    at once, and its KV cache (what a volunteer checks when batches look small or memory looks wasted)."""
-    context = getattr(engine, "context_limit", None)
-    why = ("--max-model-len" if capped_by_user else "the task's longest prompt + max_new_tokens"
-           if manifest.max_context_tokens else "the model's own limit")
-    parts = [f"engine: {getattr(engine, 'name', '?')}, context {context} tokens ({why})"]
-    seqs, kv = getattr(engine, "max_num_seqs", 0), getattr(engine, "kv_cache_tokens", 0)
-    if seqs:
-        parts.append(f"up to {seqs} sequences at once")
-    if kv and context:
-        parts.append(f"KV cache {kv} tokens = {kv // context} full-length sequences")
-    return ", ".join(parts)
-
-
-class BaseModelMismatch(RuntimeError):
-    """This volunteer cannot serve the run's base model: `.code` is a `models.pinning.PinCode` value (stable),
-    the message says what differs and what to do. Raised before anything is generated or sent."""
-
-    def __init__(self, code: str, detail: str):
-        self.code = str(code)
-        self.detail = detail
-        super().__init__(f"{self.code}: {detail}")
-
-
-class RunFinished(RuntimeError):
-    """The coordinator's run is over (its handshake says so): nothing to do until the next one (--follow)."""
-
-
-class JoinCheckFailed(RuntimeError):
-    """One of join's cheap checks failed (client/checks.py); `.check` is the row (id, detail, fix, code)."""
-
-    def __init__(self, check):
-        super().__init__(f"{check.detail}; {check.fix}" if check.fix else check.detail)
-        self.check = check
-
-
-class Volunteer:
+class Volunteer(Session, LeaseCalls, Rollout, Delivery):
     def __init__(self, cfg: VolunteerConfig, *, out=None):
         from asyncrl.swarm.transport import parse_join_address
 
@@ -281,136 +187,12 @@ class Volunteer:
         self._uploader = None
         from .pacing import ReconnectBackoff
 
-        self._upload_retry = ReconnectBackoff()  # the uploader's waits after a failed or deferred flush
+        self._upload_retry = ReconnectBackoff()  # the uploader's waits after a failed flush (client/delivery.py)
         self._lease_retry = ReconnectBackoff()  # the lease loop's, after a call that reached no coordinator
         self.canary_refused: int | None = None  # a version whose canary failed: no work until a newer one passes
         self._canary_report = None  # a passed canary, said with the next lease request
         if self.outbox.migrated:
             self.out(f"converted {self.outbox.migrated} spooled batches from an older client to payloads")
-
-    # ---- start-up ---------------------------------------------------------------------------
-    def connect(self, run_id: str | None = None, timeout: float = 60.0) -> None:
-        from asyncrl.swarm.transport import check_reachable, parse_join_address
-
-        from .adapter_sync import AdapterSync
-
-        check_reachable([parse_join_address(a) for a in self.join.bootstrap])
-        from .swarm_member import SwarmMembership, open_node
-
-        self.node = open_node(bootstrap=self.join.bootstrap, data_dir=self.cfg.data_dir, identity=self.identity,
-                              client_mode=self.cfg.client_mode, host=self.cfg.host, port=self.cfg.port,
-                              announce=self.cfg.announce, use_relay=self.cfg.use_relay,
-                              use_auto_relay=self.cfg.use_auto_relay, relays=self.cfg.relays)
-        self.handshake = self._handshake()  # versions (the gate), run state, clock: before any work
-        self.run_id = run_id or self.handshake.info.run_id
-        self.sync = AdapterSync(self.node, coordinator_peer_id=self.coordinator_peer_id,
-                                coordinator_key=self.coordinator_key, run_id=self.run_id)
-        self.swarm = SwarmMembership(  # validator, serving, presence, background following, re-dialling
-            self.node, identity=self.identity, sync=self.sync, run_id=self.run_id, name=self.name,
-            bootstrap=self.join.bootstrap, serve=self.cfg.serve and not self.cfg.client_mode,
-            upload_bps=self.cfg.max_upload_bps, out=self.out,
-            snapshot=lambda: {"adapter_version": getattr(self, "serving_version", -1),
-                              "throughput": self.status.rollouts / max(1.0, time.time() - self.status.started_at)},
-        ).start()
-        from .pacing import DutyCycle, IdleBackoff
-        from .version_hold import HeldAdapters
-
-        self.pacer = DutyCycle(self.cfg.duty_cycle)
-        self.idle = IdleBackoff(self.cfg.poll_s)
-        self.hold = HeldAdapters(self.sync, self.cfg.hold_version) if self.cfg.hold_version else None
-
-    def _handshake(self):
-        """`asyncrl.info` (client/checks.py): refuse to start when the gate, the run state or the clock say no."""
-        from .checks import FAIL, WARN, cheap_join_checks
-
-        hs, checks = cheap_join_checks(self.node, self.coordinator_peer_id)
-        while hs.info.finished and self.cfg.follow and not self.stop.is_set():
-            hs, checks = self._wait_for_next_run(hs)
-        if hs.info.finished:
-            raise RunFinished(f"run {hs.info.run_id!r} has finished; nothing to do (`join --follow` waits for the next)")
-        for check in checks:
-            if check.status == FAIL:
-                if check.code == RejectCode.REWARD_PACKAGE_MISSING.value:
-                    self._report_missing_rewards(hs)
-                raise JoinCheckFailed(check)
-            if check.status == WARN:
-                self.display.event("warning", f"warning: {check.detail}; {check.fix}")
-        return hs
-
-    def _report_missing_rewards(self, hs) -> None:
-        """Say which reward packages we lack before we leave, so the operator sees it on the dashboard (no
-        lease was asked for; the refusal is no strike). Best effort: we leave either way."""
-        from .checks import exchange, missing_reward_packages
-
-        try:
-            exchange(self.node, self.coordinator_peer_id,
-                     missing_rewards=tuple(p.reward for p in missing_reward_packages(hs.info)))
-        except Exception as exc:  # noqa: BLE001 - the refusal stands whether or not the report arrived
-            self.display.event("warning", f"could not tell the coordinator about the missing packages: {exc}")
-
-    def _wait_for_next_run(self, hs):
-        """--follow: ask the coordinator again, less and less often, until it runs an unfinished run."""
-        from asyncrl.swarm.bootstrap import rejoin
-
-        from .checks import cheap_join_checks
-
-        wait = FOLLOW_FIRST_WAIT_S
-        self.display.event("info", f"run {hs.info.run_id!r} has finished; waiting for the next one (--follow)")
-        while not self.stop.wait(wait):
-            wait = min(FOLLOW_MAX_WAIT_S, wait * 2)
-            try:
-                rejoin(self.node, self.join.bootstrap)  # it may have restarted
-                hs, checks = cheap_join_checks(self.node, self.coordinator_peer_id)
-            except Exception:  # down between runs: keep waiting
-                continue
-            if not hs.info.finished:
-                return hs, checks
-        return hs, []
-
-    def wait_for_adapter(self, timeout: float | None = None, *, report_every_s: float = 60.0):
-        """The first adapter version, fetched in the background by the follower. `join` waits for it until
-        stopped (a coordinator still starting, a slow network or a loaded machine is not a reason for an
-        honest volunteer to quit: a fixed limit makes one exit on a loaded machine), saying every
-        `report_every_s` that it is still waiting. None when stopped first; `timeout` (benches) raises."""
-        started = time.time()
-        reported = started
-        while not self.stop.is_set():
-            got = self.sync.poll()
-            if got is not None:
-                return got
-            now = time.time()
-            if timeout is not None and now - started > timeout:
-                raise TimeoutError("no adapter published by the coordinator yet")
-            if now - reported >= report_every_s:
-                reported = now
-                self.out(f"[{self.name}] still waiting for the coordinator's first adapter ({now - started:.0f} s; "
-                         "Ctrl-C stops; `asyncrl-client doctor <address>` checks the path)")
-            self.stop.wait(self.cfg.poll_s)
-        return None
-
-    def load_engine(self, manifest: messages.AdapterManifest):
-        """Find exactly the base model the manifest pins (models/pinning.py), verify it, then start the engine."""
-        from asyncrl.models.pinning import PinError, locate, pin_of
-
-        from .engine import make_engine
-
-        pin = pin_of(manifest)
-        try:
-            base = locate(pin, override=self.cfg.model)
-        except PinError as exc:
-            raise BaseModelMismatch(exc.code.value, exc.detail) from None
-        if not self.cfg.quiet:
-            self.out(f"base model {pin.name} at {pin.short()} verified ({base.path})")
-        # the task's longest sequence (manifest), not the model's whole context: that memory goes to batch
-        context = self.cfg.max_model_len or manifest.max_context_tokens or None
-        self.engine = make_engine(self.cfg.engine, base.path, manifest.lora, seed=self.cfg.seed,
-                                  gpu_memory_utilization=self.cfg.gpu_memory_utilization,
-                                  max_gpu_memory_gb=self.cfg.max_gpu_memory_gb,  # the engine's own budget
-                                  max_model_len=context, stop_token_ids=pin.stop_token_ids,
-                                  out=self.out)
-        self.out(engine_sizing(self.engine, manifest, capped_by_user=bool(self.cfg.max_model_len)))
-        self.model_name = base.path
-        self.sizer.engine_seqs = int(getattr(self.engine, "max_num_seqs", 0) or 0)  # leases that fill the engine
 
     # ---- main loop (the engine thread; client/pipeline.py) --------------------------------------
     def run(self) -> VolunteerStatus:
@@ -552,31 +334,6 @@ class Volunteer:
         """Works generated and not yet acked or refused (max_batches counts them): pipelined only."""
         return 0 if stage is None else stage.pending + len(self.outbox)
 
-    def _kick_uploads(self) -> None:
-        if self._uploader is not None:
-            self._uploader.kick()
-        else:
-            self.flush()
-
-    def _upload_failed(self, exc: Exception | None) -> float:
-        """The uploader's back-off: a flush the coordinator deferred (None) or one that could not reach it."""
-        from asyncrl.swarm.transport import TransportError
-
-        if isinstance(exc, TransportError):
-            return self._reconnect_wait(self._upload_retry, exc)
-        if exc is not None:
-            self.display.event("warning", f"upload failed: {exc.__class__.__name__}: {str(exc)[:300]}")
-        return self._upload_retry.after_failure(exc)
-
-    def _reconnect_wait(self, retry, exc: Exception) -> float:
-        """How long to wait after `exc` (a TransportError) by its class (client/pacing.py ReconnectBackoff),
-        said on the display."""
-        wait = retry.after_failure(exc)
-        what = ("coordinator starting (it answers but serves no such stream yet)" if retry.last_class == "starting"
-                else "coordinator unreachable")
-        self.display.event("warning", f"{what} ({exc}); retrying in {wait:.1f}s", reconnect=retry.last_class)
-        return wait
-
     def _return_ahead(self, ahead, reason: str) -> None:
         """Leases fetched ahead and not started go back to the coordinator now (a pause, a stop)."""
         if ahead is None or not ahead.asked:
@@ -588,222 +345,6 @@ class Volunteer:
         if work.leases:
             work.keeper.finish()
             self._release(work.leases, reason)
-
-    def _load(self, adapter) -> None:
-        if getattr(self, "hold", None) is not None:  # experiment-only --hold-version K
-            adapter = self.hold.select(adapter)
-            if adapter is None:
-                return
-        t0 = time.perf_counter()
-        self._load_into_engine(adapter)
-        verdict = self._canary(adapter)
-        if verdict is not None and not verdict.passed:  # once more: a load can fail transiently
-            self._load_into_engine(adapter)
-            verdict = self._canary(adapter)
-        if verdict is not None:
-            self._report_canary(adapter.version, verdict, time.perf_counter() - t0)
-            if not verdict.passed:  # never spend GPU time on a version the engine did not really load
-                self.canary_refused = adapter.version
-                return
-        self.canary_refused = None
-        self.serving_version = adapter.version  # what batches are tagged with (== the newest unless --hold-version)
-        self.status.versions_loaded.append(adapter.version)
-        if not self.cfg.quiet:
-            self.out(f"[{self.name}] adapter v{adapter.version} loaded ({adapter.manifest.codec}, "
-                     f"{adapter.manifest.compressed_bytes} bytes)")
-
-    def _load_into_engine(self, adapter) -> None:
-        try:
-            self.engine.load_adapter(adapter.version, adapter.manifest.tensors, adapter.tensors)
-        except (ValueError, RuntimeError) as exc:  # shapes/names that do not fit this base model
-            raise BaseModelMismatch(
-                "ADAPTER_MISMATCH", f"the coordinator's adapter is for base model {adapter.manifest.base_model!r} "
-                f"(revision {adapter.manifest.base_revision}); it does not fit {getattr(self, 'model_name', '?')!r}: "
-                f"{str(exc)[:200]}") from None
-
-    def _canary(self, adapter):
-        """The engine's verdict on the version's canary (models/canary.py); None when the manifest has none
-        or the engine cannot score a given completion."""
-        canary, score = adapter.manifest.canary, getattr(self.engine, "score", None)
-        if canary is None or score is None:
-            return None
-        from asyncrl.models.canary import canary_tokens, judge
-
-        prompt, completion = canary_tokens(canary)
-        try:
-            scored = score(prompt, completion)
-        except Exception as exc:  # noqa: BLE001 - an engine that cannot score is not proof of a missing adapter
-            self.display.event("warning", f"[{self.name}] adapter v{adapter.version}: the canary could not be "
-                               f"scored ({exc.__class__.__name__}: {str(exc)[:200]}); going on without it")
-            return None
-        return judge(scored, canary, dtype=engine_dtype(self.engine))
-
-    def _report_canary(self, version: int, verdict, seconds: float) -> None:
-        """Tell the user (one line on failure) and the coordinator (a health report: with the next lease
-        request, or at once when we refuse the version and will ask for no work)."""
-        report = messages.CanaryReport(version=version, passed=verdict.passed, diff=round(verdict.diff, 6),
-                                       base_diff=round(verdict.base_diff, 6))
-        self.status.canary = {"version": version, "passed": verdict.passed, "diff": round(verdict.diff, 6),
-                              "base_diff": round(verdict.base_diff, 6), "seconds": round(seconds, 4)}
-        if verdict.passed:
-            self._canary_report = report
-            return
-        self.status.canary_failures += 1
-        self.display.event("warning", f"[{self.name}] {verdict.explain(version)}", code="CANARY_FAILED")
-        try:
-            self._rpc().call(adapter_version=getattr(self, "serving_version", 0), canary=report)
-        except Exception as exc:  # noqa: BLE001 - said again with the next request
-            self._canary_report = report
-            self.display.event("warning", f"could not report the failed canary yet ({exc})")
-
-    def _rpc(self):
-        from .lease_rpc import LeaseRpc
-
-        return LeaseRpc(self.node, self.identity, coordinator_peer_id=self.coordinator_peer_id,
-                        coordinator_key=self.coordinator_key, run_id=self.run_id, client_name=self.name)
-
-    def _lease(self) -> tuple[list[messages.TaskLease], float]:
-        report, self._canary_report = self._canary_report, None
-        grant = self._rpc().call(adapter_version=self.serving_version, max_prompts=self.sizer.want(),
-                                 seconds_per_prompt=self.sizer.reported_rate(),  # client/lease_sizing.py
-                                 canary=report)
-        self.granted_at = time.monotonic()
-        self.latest_version = grant.current_version
-        self.sizer.observe_grant(grant)
-        if grant.leases:
-            self.status.lease_sizes = (self.status.lease_sizes + [len(grant.leases)])[-MAX_SIZES_KEPT:]
-        self.max_batch_bytes = grant.max_batch_bytes or self.max_batch_bytes
-        return list(grant.leases), grant.retry_after_s
-
-    def _fetch_work(self) -> "Work":
-        """One lease request; granted leases are renewed from now on (also while they wait for the engine)."""
-        from .lease_keeper import LeaseKeeper
-
-        leases, retry_after = self._lease()
-        keeper = LeaseKeeper(self._renew, leases).__enter__() if leases else None
-        return Work(leases, keeper, self.granted_at, retry_after)
-
-    def _renew(self, lease_ids: list[str]) -> dict[str, float]:
-        """One renewal-only lease request (client/lease_keeper.py): seconds left per lease id."""
-        grant = self._rpc().call(adapter_version=self.serving_version, renew=tuple(lease_ids))
-        return {r.lease_id: r.expires_in_s for r in grant.renewed}
-
-    def _goodbye(self) -> None:
-        """Tell the coordinator we know the run is over (an empty request it answers RUN_FINISHED), so it
-        need not linger for us (coordinator/run_end.py)."""
-        try:
-            self._rpc().call(adapter_version=self.serving_version, timeout=5)
-        except Exception:  # noqa: BLE001 - RUN_FINISHED (expected), or it is gone already: we stop either way
-            pass
-
-    def _abandon(self, lease: messages.TaskLease, why: str, *, counter: str) -> None:
-        """Give up one lease and go on with the rest: its group is not sent, the lease is not renewed (it
-        expires and the prompt goes to someone else)."""
-        self._count(counter)
-        self._count("leases_abandoned")
-        self.display.event("warning", f"[{self.name}] lease {lease.lease_id} (prompt {lease.prompt_id}) "
-                           f"abandoned: {why}", code=counter)
-
-    def _generate(self, leases: list[messages.TaskLease], group_size: int, sampling) -> list[tuple]:
-        """(lease, samples) for every lease the engine could serve. A lease whose prompt plus max_new_tokens
-        does not fit this engine's context is not tried (a shorter completion would be refused); an engine
-        error is retried lease by lease, so one bad prompt costs its own lease, never the others or the
-        volunteer. Only an engine that fails every lease of ENGINE_FAILURE_STREAK works in a row stops us."""
-        limit = getattr(self.engine, "context_limit", None)
-        todo = []
-        for lease in leases:
-            n = len(lease.prompt_token_ids) // 4
-            if limit is not None and n + sampling.max_new_tokens > limit:
-                self._abandon(lease, f"prompt of {n} tokens + max_new_tokens {sampling.max_new_tokens} exceeds "
-                              f"this engine's context of {limit} tokens", counter="leases_too_long")
-            else:
-                todo.append(lease)
-        episodes = [(l, self._episodes(l, group_size, sampling)) for l in todo if is_episode_lease(l)]
-        episodes = [(l, samples) for l, samples in episodes if samples is not None]
-        todo = [l for l in todo if not is_episode_lease(l)]
-        if not todo:
-            return episodes
-        prompts = [np.frombuffer(l.prompt_token_ids, dtype="<i4").tolist() for l in todo]
-        try:
-            done = list(zip(todo, self.engine.generate(prompts, group_size, sampling)))
-            self._engine_failures = 0
-            return episodes + done
-        except Exception as exc:  # noqa: BLE001 - any engine error: find the lease it belongs to
-            first = exc
-        done = []
-        if len(todo) == 1:
-            self._abandon(todo[0], f"engine error: {first.__class__.__name__}: {str(first)[:300]}",
-                          counter="engine_errors")
-        else:
-            for lease, prompt in zip(todo, prompts):
-                try:
-                    done.append((lease, self.engine.generate([prompt], group_size, sampling)[0]))
-                except Exception as exc:  # noqa: BLE001
-                    self._abandon(lease, f"engine error: {exc.__class__.__name__}: {str(exc)[:300]}",
-                                  counter="engine_errors")
-        self._engine_failures = 0 if done else getattr(self, "_engine_failures", 0) + 1
-        if self._engine_failures >= ENGINE_FAILURE_STREAK:
-            raise EngineFailed(f"the engine failed every lease of {self._engine_failures} works in a row; last "
-                               f"error: {first.__class__.__name__}: {str(first)[:300]}") from first
-        return episodes + done
-
-    def _episodes(self, lease, group_size: int, sampling) -> list | None:
-        """A multi-turn lease played turn by turn (client/episodes.py); an environment that fails here costs
-        this lease only (None)."""
-        from asyncrl.envs import EnvError
-
-        try:
-            return generate_episodes(self.engine, lease, group_size, sampling)
-        except EnvError as exc:
-            self._abandon(lease, f"environment failed: {str(exc)[:300]}", counter="env_errors")
-            return None
-
-    def _generate_politely(self, leases, group_size: int, sampling) -> tuple[list[tuple], list, str | None]:
-        """(generated, unfinished, pause reason). With --only-when-idle one prompt at a time, asking
-        IdleWatch between them: when the machine is wanted, the leases not yet started are left for the
-        caller to return. Otherwise all prompts in one engine call (vLLM batches them)."""
-        if not self.cfg.only_when_idle:
-            return self._generate(leases, group_size, sampling), [], None
-        generated = []
-        for i, lease in enumerate(leases):
-            if i:
-                reason = self.polite.busy()
-                if reason is not None:
-                    return generated, list(leases[i:]), reason
-            self.status.state, self.status.lease_progress = "generating", [i, len(leases)]
-            self._write_status()
-            generated += self._generate([lease], group_size, sampling)
-        return generated, [], None
-
-    def _release(self, leases: list[messages.TaskLease], reason: str | None, *, unscorable: bool = False,
-                 reward_error: str = "") -> None:
-        """Give leases back (a LeaseRequest with `release`): their prompts go to someone else now, instead
-        of waiting out the lease timeout (coordinator/leasing/taskboard.py `release`). With `unscorable` they are
-        leases whose groups our reward check could not score (`LeaseRequest.unscorable`): the coordinator
-        counts them against the prompt and retires a prompt nobody can score. A lost answer is asked once
-        more after RELEASE_RETRY_S, like a renewal (returning is idempotent: ids no longer held are ignored)."""
-        from asyncrl.swarm.transport import TransportError
-
-        ids = tuple(l.lease_id for l in leases)
-        for attempt in range(2):
-            try:
-                self._rpc().call(adapter_version=self.serving_version, reward_error=reward_error,
-                                 **({"unscorable": ids} if unscorable else {"release": ids}))
-            except TransportError as exc:
-                if attempt == 0:
-                    self.stop.wait(RELEASE_RETRY_S)
-                    continue
-                self.display.event("warning", f"could not return {len(ids)} leases ({exc}); they will expire")
-                return
-            except ProtocolError as exc:  # they expire on their own, as without polite mode
-                self.display.event("warning", f"could not return {len(ids)} leases ({exc}); they will expire")
-                return
-            if unscorable:
-                self.display.event("info", f"[{self.name}] reported {len(ids)} leases we could not score ({reason})")
-                return
-            self._count("leases_returned", len(ids))
-            self.display.event("info", f"[{self.name}] returned {len(ids)} unfinished leases ({reason})")
-            return
 
     def _pause(self, reason: str) -> None:
         """Polite mode / `asyncrl-client pause`: no work until the machine is free again (client/polite.py)."""
@@ -817,102 +358,6 @@ class Volunteer:
         self.status.state, self.status.pause_reason = "working", ""
         self.display.event("info", f"[{self.name}] resumed after {time.monotonic() - t0:.0f} s")
 
-    def _generate_work(self, work: "Work") -> float:
-        """Engine thread: generate every leased prompt in one engine call; returns the seconds it took."""
-        work.version = self.serving_version  # what the batch is tagged with: the adapter it was generated with
-        t0 = time.perf_counter()
-        self.status.state = "generating"
-        work.generated, work.unfinished, work.reason = self._generate_politely(
-            work.leases, work.leases[0].group_size, work.leases[0].sampling)
-        busy = time.perf_counter() - t0
-        self.status.engine_busy_s += busy
-        self.status.state = "working"
-        if work.unfinished:  # paused mid-lease: the rest goes back to the coordinator now, before we rest
-            self._release(work.unfinished, work.reason)
-        return busy
-
-    def _finish_work(self, work: "Work") -> int:
-        """Scorer (off the engine thread): score each group, leave out lost leases, spool the batch, wake the
-        uploader; returns the number of groups spooled. The keeper renews the leases until the batch is
-        built: a reward check can take its whole time limit per group (a stuck math check: 10 s)."""
-        from asyncrl import tasks
-
-        from .outbox import OutboxFull
-
-        results = []
-        try:
-            for lease, group in work.generated:
-                texts = [self.engine.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in group]
-                prompt = tasks.Prompt(lease.prompt_id, lease.prompt, lease.answer, lease.reward, lease.columns)
-                if is_episode_lease(lease):  # the environment scored its episodes as they were played
-                    results.append((lease, group, [s.reward for s in group]))
-                    continue
-                try:  # the coordinator re-scores with this same call (coordinator/ingest/ingest.py)
-                    results.append((lease, group, tasks.score_group(prompt, texts, [s.token_ids for s in group],
-                                                                   version=work.version).rewards))
-                except Exception as exc:  # noqa: BLE001 - a broken reward costs its group, not the volunteer
-                    results.append((lease, group, exc))
-        finally:
-            work.keeper.finish()
-        keeper = work.keeper
-        self._count("lease_renewals", keeper.renewals)
-        groups, unscored, raised, lost = [], [], [], 0
-        for lease, group, scored in results:
-            if lease.lease_id in keeper.lost:
-                self._abandon(lease, "the coordinator no longer holds it for us (expired)", counter="leases_lost")
-                lost += 1
-                continue
-            if isinstance(scored, Exception):
-                exc = scored
-                why = f"reward {lease.reward!r} failed: {exc.__class__.__name__}: {str(exc)[:300]}"
-                if isinstance(exc, tasks.Unscorable):  # our verifier could not finish: send nothing rather than a guess
-                    self._count("groups_unscorable")
-                    unscored.append(lease)
-                else:  # the reward function itself raised: the operator must see it (coordinator's log, dashboard)
-                    raised.append((lease, why))
-                self._abandon(lease, why, counter="reward_errors")
-                continue
-            comps = []
-            for s, reward in zip(group, scored):
-                comps.append(episode_completion(s) if is_episode_lease(lease) else messages.Completion(
-                    token_ids=np.asarray(s.token_ids, dtype="<i4").tobytes(),
-                    logprobs=np.asarray(s.logprobs, dtype="<f4").tobytes(), reward=reward,
-                    finish_reason=s.finish_reason))
-                self.status.rollouts += 1
-                self.status.tokens += len(s.token_ids)
-                self.status.reward_sum += reward
-            groups.append(messages.RolloutGroup(lease_id=lease.lease_id, prompt_id=lease.prompt_id,
-                                                prompt_token_ids=lease.prompt_token_ids, completions=tuple(comps)))
-        if unscored:  # said at once: the prompt goes to someone else now, and a poison prompt gets retired
-            self._release(unscored, "reward check did not finish", unscorable=True)
-        if raised:
-            self._release([l for l, _ in raised], "reward raised",
-                          reward_error=raised[0][1][:limits.MAX_REWARD_ERROR_CHARS])
-        tried = len(work.leases) - len(work.unfinished)  # a pause returns the rest
-        if not groups:
-            if lost:  # grant to losing it: the sizer learns this machine is too slow for what it asked
-                self._measured(tried, work.granted_at)
-            return 0
-        batch = messages.RolloutBatch(run_id=self.run_id, adapter_version=work.version, client_name=self.name,
-                                      sampling=work.leases[0].sampling, groups=tuple(groups), generated_at=time.time(),
-                                      engine_dtype=engine_dtype(self.engine), engine_kind=engine_kind(self.engine))
-        try:
-            spooled = self._spool(batch)
-        except OutboxFull as exc:  # the disk cap: these leases expire; the engine thread pauses near the cap
-            self.display.event("warning", str(exc))
-            return 0
-        pending = PendingAck(tried, work.granted_at)
-        for batch_id in spooled:
-            self._awaiting_ack[batch_id] = pending
-        self._write_status()
-        self._kick_uploads()
-        return len(groups)
-
-    def _measured(self, prompts: int, granted_at: float) -> None:
-        """Grant to ack (or to losing the leases), per prompt: the sizer's measurement (client/lease_sizing.py)."""
-        self.sizer.measured(prompts, time.monotonic() - granted_at)
-        self.status.seconds_per_prompt = round(self.sizer.seconds_per_prompt, 3)
-
     def _count(self, counter: str, n: int = 1) -> None:
         """Status counters bumped from more than one thread (engine, scorer, uploader)."""
         with self._counter_lock:
@@ -922,143 +367,6 @@ class Volunteer:
         with self._counter_lock:  # _write_status copies these dicts under the same lock
             counts = getattr(self.status, field_name)
             counts[code] = counts.get(code, 0) + 1
-
-    def _spool(self, batch: messages.RolloutBatch) -> list[bytes]:
-        """Write `batch` to the outbox (split by groups if it would exceed the coordinator's cap)."""
-        payload = messages.encode(batch)
-        cap = self.max_batch_bytes
-        if cap and len(payload) + SEAL_OVERHEAD > cap and len(batch.groups) > 1:
-            import msgspec
-
-            half = len(batch.groups) // 2
-            self.status.batches_split += 1
-            return (self._spool(msgspec.structs.replace(batch, groups=batch.groups[:half]))
-                    + self._spool(msgspec.structs.replace(batch, groups=batch.groups[half:])))
-        batch_id = self.outbox.put(payload)
-        self.display.event("spooled", f"[{self.name}] batch {batch_id.hex()[:12]} spooled", batch_id=batch_id.hex(),
-                           groups=len(batch.groups))
-        return [batch_id]
-
-    def flush(self) -> bool:
-        """Upload every spooled batch, oldest first, each sealed afresh; stop early when the coordinator
-        says "later" (busy, clock) and raise TransportError when it cannot be reached. True when it got
-        through the outbox. One flush at a time (the uploader thread, or the engine thread at start and end)."""
-        with self._flush_lock:
-            sent = self.status.batches_sent
-            try:
-                for batch_id in self.outbox.pending():
-                    payload = self.outbox.read(batch_id)
-                    if payload is None:
-                        continue
-                    if not self._upload(batch_id, payload):
-                        return False
-                self._upload_retry.reset()
-                return True
-            finally:
-                if self.status.batches_sent != sent and self._uploader is not None:
-                    self._write_status()  # the engine thread writes it too, but may be waiting for work
-
-    def _upload(self, batch_id: bytes, payload: bytes) -> bool:
-        """One upload attempt; False = stop this flush (retry later)."""
-        sealed = envelope.seal(self.identity, "rollout_batch", payload, audience=self.coordinator_key)
-        try:
-            raw = self.node.call(self.coordinator_peer_id, stream_name(self.run_id, streams.SUBMIT), sealed,
-                                 max_response_bytes=64 * 1024)
-            ack = messages.decode(raw, messages.Ack, max_bytes=64 * 1024)
-            code, detail, receipt = (None if ack.accepted and ack.code is None else ack.code or "?"), ack.detail, \
-                ack.receipt
-            if ack.accepted and ack.code == RejectCode.DUPLICATE_BATCH.value:
-                code = None  # the coordinator already has it (a lost ack's retry)
-        except ProtocolError as exc:  # refused by the transport before ingest: too large, busy, banned peer
-            code, detail, receipt = exc.code.value, exc.detail, b""
-        self.status.batches_sent += 1
-        return self._settle(batch_id, payload, code, detail, receipt)
-
-    def _settle(self, batch_id: bytes, payload: bytes, code: str | None, detail: str, receipt: bytes = b"") -> bool:
-        short = batch_id.hex()[:12]
-        self._settled.set()
-        if code is None:
-            self.status.batches_acked += 1
-            self._keep_receipt(batch_id, receipt)  # on disk before the batch leaves the outbox
-            self.outbox.remove(batch_id)
-            pending = self._awaiting_ack.pop(batch_id, None)
-            if pending is not None and not pending.measured:  # the first part of a (split) batch to be acked
-                pending.measured = True
-                self._measured(pending.prompts, pending.granted_at)
-            self._internal_failures.pop(batch_id, None)
-            self.display.event("acked", f"[{self.name}] batch {short} acked", batch_id=batch_id.hex())
-            return True
-        if code in RETRY_LATER:
-            self._count_code("batches_deferred", code)
-            hint = " (is this machine's clock right?)" if code == RejectCode.EXPIRED.value else ""
-            self.display.event("deferred", f"[{self.name}] batch {short} kept for later: {code} {detail}{hint}",
-                               code=code, batch_id=batch_id.hex())
-            return False
-        if code in RETRY_BATCH:
-            self._count_code("batches_deferred", code)
-            failures = self._internal_failures[batch_id] = self._internal_failures.get(batch_id, 0) + 1
-            if failures < MAX_INTERNAL_RETRIES:
-                self.outbox.requeue(batch_id)  # the others go first
-                return True
-            code = f"{code}x{failures}"
-        elif code in SPLIT:
-            if self._split_spooled(batch_id, payload):
-                return True
-        if code == RejectCode.RUN_FINISHED.value:
-            self.status.run_finished = True  # what is still spooled can no longer be trained: dropped, counted
-        if code in FINAL_REJECTS:
-            self._count_code("batches_rejected", code)
-            self.outbox.remove(batch_id)
-            self.display.event("rejected", f"[{self.name}] batch {short} rejected: {code} {detail}", code=code,
-                               batch_id=batch_id.hex())
-            return True
-        where = self.outbox.quarantine(batch_id, code, detail)
-        self._internal_failures.pop(batch_id, None)
-        self.status.batches_quarantined += 1
-        self.display.event("warning", f"[{self.name}] batch {short} quarantined in {where.parent} ({code} {detail}); "
-                           "the coordinator cannot take it as it is", code=code, batch_id=batch_id.hex())
-        return code != RejectCode.NOT_ALLOWED.value  # not admitted: the next batch would fare no better
-
-    def _split_spooled(self, batch_id: bytes, payload: bytes) -> bool:
-        """A spooled batch over the coordinator's cap: re-spool its groups as smaller batches (written
-        before the original is removed, so a crash in between leaves duplicates, never a loss — the
-        coordinator dedupes nothing here: it never accepted the big one). False when it is one group."""
-        try:
-            batch = messages.decode(payload, messages.RolloutBatch, max_bytes=len(payload))
-        except ProtocolError:
-            return False
-        if len(batch.groups) < 2:
-            return False
-        import msgspec
-
-        half = len(batch.groups) // 2
-        self.max_batch_bytes = min(self.max_batch_bytes or len(payload), len(payload))  # what we now know
-        for part in (batch.groups[:half], batch.groups[half:]):
-            self._spool(msgspec.structs.replace(batch, groups=part))
-        self.outbox.remove(batch_id)
-        self.status.batches_split += 1
-        self.display.event("warning", f"[{self.name}] batch {batch_id.hex()[:12]} too large for the coordinator; "
-                           "split in two", code=RejectCode.PAYLOAD_TOO_LARGE.value)
-        return True
-
-    def _keep_receipt(self, batch_id: bytes, sealed: bytes) -> None:
-        from asyncrl.protocol import receipts
-
-        if not sealed:
-            self.status.receipts_missing += 1
-            return
-        try:
-            receipt = receipts.open_receipt(sealed, coordinator_key=self.coordinator_key,
-                                            volunteer_key=self.identity.public_key)
-            if receipt.batch_id != batch_id or receipt.run_id != self.run_id:
-                raise ProtocolError(RejectCode.MALFORMED, "receipt for another batch")
-        except ProtocolError as exc:
-            self.status.receipts_invalid += 1
-            self.display.event("warning", f"receipt for batch {batch_id.hex()[:12]} not kept: {exc}",
-                               code=exc.code.value)
-            return
-        if self.ledger.append(sealed):
-            self.status.receipts += 1
 
     def _write_status(self) -> None:
         from asyncrl.protocol.atomic import write_json_atomic

@@ -10,6 +10,9 @@ Inside coordinator/ the same holds one level down (coordinator/__init__.py draws
 
     learner, leasing  <-  trust  <-  ingest  <-  shared (config, checkpoint, publisher, ...)  <-  hub (cli, service)
     shared  <-  operator  <-  hub                           only the hub imports operator surfaces
+
+Inside client/ the volunteer hub (worker.py `Volunteer`, started by cli.py) is built from its parts (session,
+lease_rpc, rollout, delivery) and the components beside them; none of them imports the hub or the CLI back.
 """
 
 from __future__ import annotations
@@ -168,6 +171,24 @@ def test_coordinator_layering():
     bad = {f: (own, sorted(o - COORDINATOR_ALLOWED[own])) for f, (own, o) in coordinator_imports().items()
            if o - COORDINATOR_ALLOWED[own]}
     assert not bad, f"file: (its part, parts of coordinator/ it may not import) {bad}; rules: {COORDINATOR_ALLOWED}"
+
+
+CLIENT_HUB = {"worker", "cli"}  # client/worker.py wires the volunteer; client/cli.py starts it
+
+
+def test_no_client_module_imports_the_volunteer_hub():
+    folder = SUBSYSTEMS["client"]
+    every = _imports_of_every_file()
+    hub = {f"asyncrl.client.{name}" for name in CLIENT_HUB}
+    assert all((folder / f"{name}.py").exists() for name in CLIENT_HUB)
+    bad = {}
+    for path in sorted(folder.rglob("*.py")):
+        if path.stem in CLIENT_HUB:
+            continue
+        found = {m for m in every[path] if any(m == h or m.startswith(h + ".") for h in hub)}
+        if found:
+            bad[str(path.relative_to(REPO))] = sorted(found)
+    assert not bad, f"only {sorted(CLIENT_HUB)} may import the volunteer hub; found {bad}"
 
 
 def test_the_import_reader_sees_relative_and_absolute_imports(tmp_path):

@@ -253,7 +253,7 @@ class Ingest:
                 return self._commit(verified, peer)
             except ProtocolError as exc:
                 if exc.code not in RETRYABLE:
-                    # A refused batch is never re-sent (client/worker.py): end its leases now instead of
+                    # A refused batch is never re-sent (client/delivery.py): end its leases now instead of
                     # pinning the prompts (and the back-pressure room) until they expire. Only the signer's
                     # own outstanding leases are touched.
                     self.board.abandon([g.lease_id for g in batch.groups], holder)
@@ -569,7 +569,7 @@ def rescore_group(tokenizer, group: messages.RolloutGroup, lease, batch: message
         rewards = [0.0 if h else tasks.score(reward, tokenizer.decode(a.tolist(), skip_special_tokens=True), answer)
                    for h, a in zip(hopeless, arrays)]
         per_reward = {reward: list(rewards)}
-    else:  # the volunteer scored with this same call (client/worker.py): one group, its texts, its ids
+    else:  # the volunteer scored with this same call (client/rollout.py): one group, its texts, its ids
         comps = [a.tolist() for a in arrays]  # reward functions get TRL's completion_ids: lists of ints
         scored = tasks.score_group(lease.prompt, [tokenizer.decode(t, skip_special_tokens=True) for t in comps],
                                    comps, version=batch.adapter_version)

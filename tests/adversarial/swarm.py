@@ -391,7 +391,7 @@ class Mallory:
         Such a stream is lost below the coordinator's handler (p2pd / the control socket), before the handler
         saw it or after it answered (fresh-clone run r1 of adbd091: a copy was accepted, its answer lost, and
         the re-send came back DUPLICATE_BATCH). A re-send answered DUPLICATE_BATCH with accepted=True is
-        therefore the lost ACCEPTED, exactly as the client's outbox reads it (client/worker.py)."""
+        therefore the lost ACCEPTED, exactly as the client's outbox reads it (client/delivery.py)."""
         from asyncrl.swarm.transport import TransportError
 
         for attempt in range(attempts):
@@ -411,7 +411,7 @@ class Mallory:
         return ("ACCEPTED" if ack.accepted and ack.code is None else ack.code), ack
 
     def deliver(self, ident: Identity, payload: bytes, node=None, attempts: int = 3) -> tuple[str, int]:
-        """An honest volunteer's upload, as the client's outbox does it (client/worker.py): a stream that
+        """An honest volunteer's upload, as the client's outbox does it (client/delivery.py): a stream that
         broke with no answer (TransportError) is sent again, sealed afresh; the batch id is the payload's
         hash, so a copy that did arrive comes back DUPLICATE_BATCH with accepted=True. Returns (the final
         verdict, how many sends broke without an answer) so a row can show them."""

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from asyncrl.client.engine import Sample
-from asyncrl.client.worker import ENGINE_FAILURE_STREAK, EngineFailed, Volunteer, VolunteerConfig
+from asyncrl.client.rollout import ENGINE_FAILURE_STREAK, EngineFailed
+from asyncrl.client.worker import Volunteer, VolunteerConfig
 from asyncrl.protocol import messages
 from asyncrl.protocol.identity import Identity
 

@@ -7,7 +7,8 @@ import shutil
 
 import pytest
 
-from asyncrl.client.worker import BaseModelMismatch, Volunteer, VolunteerConfig
+from asyncrl.client.session import BaseModelMismatch
+from asyncrl.client.worker import Volunteer, VolunteerConfig
 from asyncrl.models import pinning
 from asyncrl.models.tinymodel import write_tiny_model
 from asyncrl.protocol import messages

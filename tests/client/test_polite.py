@@ -1,5 +1,6 @@
 """Polite mode: what pauses a volunteer (client/polite.py, on synthetic /proc and /dev trees) and how a
-paused lease ends (client/worker.py: finished groups kept, the rest handed back with LeaseRequest.release)."""
+paused lease ends (client/rollout.py: finished groups kept; client/lease_rpc.py: the rest handed back with
+LeaseRequest.release)."""
 
 from __future__ import annotations
 
@@ -164,9 +165,9 @@ class LosesFirstAnswer:
 
 
 def test_a_release_whose_answer_is_lost_is_sent_once_more(tmp_path, monkeypatch):
-    from asyncrl.client import worker
+    from asyncrl.client import lease_rpc
 
-    monkeypatch.setattr(worker, "RELEASE_RETRY_S", 0.0)
+    monkeypatch.setattr(lease_rpc, "RELEASE_RETRY_S", 0.0)
     vol = volunteer(tmp_path)
     vol.node, vol.run_id, vol.serving_version = LosesFirstAnswer(), "r", 0
     vol._release(leases(3)[1:], "the user came back")

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.client import worker
-from asyncrl.client.worker import JoinCheckFailed, RunFinished, Volunteer, VolunteerConfig
+from asyncrl.client import session
+from asyncrl.client.session import JoinCheckFailed, RunFinished
+from asyncrl.client.worker import Volunteer, VolunteerConfig
 from asyncrl.protocol import envelope, handshake
 from asyncrl.protocol.identity import Identity
 
@@ -43,7 +44,7 @@ def test_joining_a_finished_run_is_told_at_once(tmp_path):
 
 
 def test_follow_waits_for_the_next_run(tmp_path, monkeypatch):
-    monkeypatch.setattr(worker, "FOLLOW_FIRST_WAIT_S", 0.01)
+    monkeypatch.setattr(session, "FOLLOW_FIRST_WAIT_S", 0.01)
     monkeypatch.setattr("asyncrl.swarm.bootstrap.rejoin", lambda node, maddrs: True)
     node = InfoNode({"finished": True}, {"finished": True}, {"run_id": "r2"})
     hs = volunteer(tmp_path, node, follow=True)._handshake()

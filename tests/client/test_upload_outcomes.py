@@ -1,4 +1,4 @@
-"""What each upload answer does to a spooled batch (client/worker.py `flush`), against a scripted
+"""What each upload answer does to a spooled batch (client/delivery.py `flush`), against a scripted
 coordinator that opens every envelope for real: a fresh seal per attempt (so an outage of any length
 never makes a batch EXPIRED), a too-large batch split or quarantined instead of blocking the line, busy
 answers keeping the batch, final refusals deleting it (counted), a coordinator bug not blocking the rest."""
@@ -10,7 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from asyncrl.client.worker import MAX_INTERNAL_RETRIES, Volunteer, VolunteerConfig
+from asyncrl.client.delivery import MAX_INTERNAL_RETRIES
+from asyncrl.client.worker import Volunteer, VolunteerConfig
 from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import Identity

@@ -7,7 +7,7 @@ audit's fp32 recomputation (fp32 engines: ~1e-5). Everything here is the coordin
 resolves for `--model smollm2-135m-instruct`, its learner (`make_learner`), `Auditor.from_config` (tolerance
 learned per engine kind x dtype, coordinator/trust/audit_policy.py) and the `AuditWorker` that ingest hands a batch
 claiming an older version to. The volunteers are the client's own engines loaded with the *published* (bf16)
-adapter tensors; each batch names its engine kind and dtype as `client/worker.py` does.
+adapter tensors; each batch names its engine kind and dtype as `client/rollout.py` does.
 
 Versions: v0 is the zero adapter (PEFT's start), v1..v3 seeded non-zero adapters (the zero adapter is the base
 model and hides the LoRA path's noise). The learner holds v3, so batches claiming v1 or v2 take the shadow-model
@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from asyncrl.client.engine import TransformersEngine
-from asyncrl.client.worker import engine_dtype, engine_kind
+from asyncrl.client.rollout import engine_dtype, engine_kind
 from asyncrl.coordinator.config_file import resolve_config
 from asyncrl.coordinator.ingest.ingest import AcceptedBatch
 from asyncrl.coordinator.learner.ddp import make_learner
