@@ -22,10 +22,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from asyncrl.protocol import envelope, messages
+import msgspec
+
+from asyncrl.protocol import envelope, messages, receipts
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.swarm import streams
 from asyncrl.swarm.streams import stream_name
+from asyncrl.swarm.transport import TransportError
 
 SEAL_OVERHEAD = 256  # envelope header + body framing around a payload (bytes, generous)
 MAX_INTERNAL_RETRIES = 5  # a batch the coordinator keeps failing on (INTERNAL) is quarantined after this
@@ -66,8 +69,6 @@ class Delivery:
 
     def _upload_failed(self, exc: Exception | None) -> float:
         """The uploader's back-off: a flush the coordinator deferred (None) or one that could not reach it."""
-        from asyncrl.swarm.transport import TransportError
-
         if isinstance(exc, TransportError):
             return self._reconnect_wait(self._upload_retry, exc)
         if exc is not None:
@@ -89,8 +90,6 @@ class Delivery:
         payload = messages.encode(batch)
         cap = self.max_batch_bytes
         if cap and len(payload) + SEAL_OVERHEAD > cap and len(batch.groups) > 1:
-            import msgspec
-
             half = len(batch.groups) // 2
             self.status.batches_split += 1
             return (self._spool(msgspec.structs.replace(batch, groups=batch.groups[:half]))
@@ -190,8 +189,6 @@ class Delivery:
             return False
         if len(batch.groups) < 2:
             return False
-        import msgspec
-
         half = len(batch.groups) // 2
         self.max_batch_bytes = min(self.max_batch_bytes or len(payload), len(payload))  # what we now know
         for part in (batch.groups[:half], batch.groups[half:]):
@@ -203,8 +200,6 @@ class Delivery:
         return True
 
     def _keep_receipt(self, batch_id: bytes, sealed: bytes) -> None:
-        from asyncrl.protocol import receipts
-
         if not sealed:
             self.status.receipts_missing += 1
             return

@@ -22,6 +22,9 @@ from asyncrl.protocol import envelope, handshake, limits, messages
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.swarm import streams
 from asyncrl.swarm.streams import stream_name
+from asyncrl.swarm.transport import TransportError
+
+from .lease_keeper import LeaseKeeper
 
 
 class LeaseRpc:
@@ -87,8 +90,6 @@ class LeaseCalls:
 
     def _fetch_work(self) -> Work:
         """One lease request; granted leases are renewed from now on (also while they wait for the engine)."""
-        from .lease_keeper import LeaseKeeper
-
         leases, retry_after = self._lease()
         keeper = LeaseKeeper(self._renew, leases).__enter__() if leases else None
         return Work(leases, keeper, self.granted_at, retry_after)
@@ -113,8 +114,6 @@ class LeaseCalls:
         leases whose groups our reward check could not score (`LeaseRequest.unscorable`): the coordinator
         counts them against the prompt and retires a prompt nobody can score. A lost answer is asked once
         more after RELEASE_RETRY_S, like a renewal (returning is idempotent: ids no longer held are ignored)."""
-        from asyncrl.swarm.transport import TransportError
-
         ids = tuple(l.lease_id for l in leases)
         for attempt in range(2):
             try:

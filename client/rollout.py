@@ -22,11 +22,14 @@ import time
 
 import numpy as np
 
+from asyncrl import tasks
+from asyncrl.envs import EnvError
 from asyncrl.protocol import limits, messages
 
 from .delivery import PendingAck
 from .episodes import episode_completion, generate_episodes, is_episode_lease
 from .lease_rpc import Work
+from .outbox import OutboxFull
 
 ENGINE_FAILURE_STREAK = 3  # works in a row in which the engine served no lease at all: the engine is broken
 
@@ -103,8 +106,6 @@ class Rollout:
     def _episodes(self, lease, group_size: int, sampling) -> list | None:
         """A multi-turn lease played turn by turn (client/episodes.py); an environment that fails here costs
         this lease only (None)."""
-        from asyncrl.envs import EnvError
-
         try:
             return generate_episodes(self.engine, lease, group_size, sampling)
         except EnvError as exc:
@@ -146,10 +147,6 @@ class Rollout:
         """Scorer (off the engine thread): score each group, leave out lost leases, spool the batch, wake the
         uploader; returns the number of groups spooled. The keeper renews the leases until the batch is
         built: a reward check can take its whole time limit per group (a stuck math check: 10 s)."""
-        from asyncrl import tasks
-
-        from .outbox import OutboxFull
-
         results = []
         try:
             for lease, group in work.generated:

@@ -20,10 +20,19 @@ from __future__ import annotations
 
 import time
 
+from asyncrl.models.canary import canary_tokens, judge
+from asyncrl.models.pinning import PinError, locate, pin_of
 from asyncrl.protocol import messages
 from asyncrl.protocol.errors import RejectCode
+from asyncrl.swarm import bootstrap
+from asyncrl.swarm.transport import check_reachable, parse_join_address
 
+from .adapter_sync import AdapterSync
+from .checks import FAIL, WARN, cheap_join_checks, exchange, missing_reward_packages
+from .pacing import DutyCycle, IdleBackoff
 from .rollout import engine_dtype
+from .swarm_member import SwarmMembership, open_node
+from .version_hold import HeldAdapters
 
 FOLLOW_FIRST_WAIT_S, FOLLOW_MAX_WAIT_S = 5.0, 120.0  # --follow: how often to ask for the next run
 
@@ -67,13 +76,7 @@ class JoinCheckFailed(RuntimeError):
 
 class Session:
     def connect(self, run_id: str | None = None, timeout: float = 60.0) -> None:
-        from asyncrl.swarm.transport import check_reachable, parse_join_address
-
-        from .adapter_sync import AdapterSync
-
         check_reachable([parse_join_address(a) for a in self.join.bootstrap])
-        from .swarm_member import SwarmMembership, open_node
-
         self.node = open_node(bootstrap=self.join.bootstrap, data_dir=self.cfg.data_dir, identity=self.identity,
                               client_mode=self.cfg.client_mode, host=self.cfg.host, port=self.cfg.port,
                               announce=self.cfg.announce, use_relay=self.cfg.use_relay,
@@ -89,17 +92,12 @@ class Session:
             snapshot=lambda: {"adapter_version": getattr(self, "serving_version", -1),
                               "throughput": self.status.rollouts / max(1.0, time.time() - self.status.started_at)},
         ).start()
-        from .pacing import DutyCycle, IdleBackoff
-        from .version_hold import HeldAdapters
-
         self.pacer = DutyCycle(self.cfg.duty_cycle)
         self.idle = IdleBackoff(self.cfg.poll_s)
         self.hold = HeldAdapters(self.sync, self.cfg.hold_version) if self.cfg.hold_version else None
 
     def _handshake(self):
         """`asyncrl.info` (client/checks.py): refuse to start when the gate, the run state or the clock say no."""
-        from .checks import FAIL, WARN, cheap_join_checks
-
         hs, checks = cheap_join_checks(self.node, self.coordinator_peer_id)
         while hs.info.finished and self.cfg.follow and not self.stop.is_set():
             hs, checks = self._wait_for_next_run(hs)
@@ -117,8 +115,6 @@ class Session:
     def _report_missing_rewards(self, hs) -> None:
         """Say which reward packages we lack before we leave, so the operator sees it on the dashboard (no
         lease was asked for; the refusal is no strike). Best effort: we leave either way."""
-        from .checks import exchange, missing_reward_packages
-
         try:
             exchange(self.node, self.coordinator_peer_id,
                      missing_rewards=tuple(p.reward for p in missing_reward_packages(hs.info)))
@@ -127,16 +123,12 @@ class Session:
 
     def _wait_for_next_run(self, hs):
         """--follow: ask the coordinator again, less and less often, until it runs an unfinished run."""
-        from asyncrl.swarm.bootstrap import rejoin
-
-        from .checks import cheap_join_checks
-
         wait = FOLLOW_FIRST_WAIT_S
         self.display.event("info", f"run {hs.info.run_id!r} has finished; waiting for the next one (--follow)")
         while not self.stop.wait(wait):
             wait = min(FOLLOW_MAX_WAIT_S, wait * 2)
             try:
-                rejoin(self.node, self.join.bootstrap)  # it may have restarted
+                bootstrap.rejoin(self.node, self.join.bootstrap)  # it may have restarted
                 hs, checks = cheap_join_checks(self.node, self.coordinator_peer_id)
             except Exception:  # down between runs: keep waiting
                 continue
@@ -167,9 +159,7 @@ class Session:
 
     def load_engine(self, manifest: messages.AdapterManifest):
         """Find exactly the base model the manifest pins (models/pinning.py), verify it, then start the engine."""
-        from asyncrl.models.pinning import PinError, locate, pin_of
-
-        from .engine import make_engine
+        from .engine import make_engine  # imports torch: only a volunteer that starts an engine pays for it
 
         pin = pin_of(manifest)
         try:
@@ -228,8 +218,6 @@ class Session:
         canary, score = adapter.manifest.canary, getattr(self.engine, "score", None)
         if canary is None or score is None:
             return None
-        from asyncrl.models.canary import canary_tokens, judge
-
         prompt, completion = canary_tokens(canary)
         try:
             scored = score(prompt, completion)

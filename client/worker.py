@@ -42,12 +42,21 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from asyncrl.protocol.atomic import write_json_atomic
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import Identity
+from asyncrl.swarm.bootstrap import join_spec
+from asyncrl.swarm.transport import TransportError, parse_join_address
 
 from .delivery import Delivery, PendingAck
-from .pacing import MAX_BACKOFF_S
+from .display import Display
 from .lease_rpc import FINAL_LEASE_REJECTS, LeaseCalls
+from .lease_sizing import LeaseSizer
+from .ledger import ReceiptLedger
+from .outbox import Outbox, OutboxFull
+from .pacing import MAX_BACKOFF_S, ReconnectBackoff
+from .pipeline import LeaseAhead, Stage, Uploader
+from .polite import IdleWatch
 from .rollout import Rollout
 from .session import Session
 
@@ -139,17 +148,11 @@ class VolunteerStatus:
 
 class Volunteer(Session, LeaseCalls, Rollout, Delivery):
     def __init__(self, cfg: VolunteerConfig, *, out=None):
-        from asyncrl.swarm.transport import parse_join_address
-
-        from .display import Display
-
         self.cfg = cfg
         self.display = Display(cfg.display)
         self.out = out or (lambda message: self.display.event("info", message))
         self.stop = threading.Event()
         self.addr = parse_join_address(cfg.address)  # BadAddress before anything starts
-        from asyncrl.swarm.bootstrap import join_spec
-
         self.join = join_spec([cfg.address, *cfg.more_addresses], cfg.coordinator)  # whose key we trust
         self.coordinator_peer_id = self.join.coordinator_peer_id
         self.coordinator_key = self.join.coordinator_key
@@ -158,21 +161,13 @@ class Volunteer(Session, LeaseCalls, Rollout, Delivery):
         if created:
             self.out(f"created volunteer identity {self.identity.fingerprint} in {cfg.data_dir / 'identity.key'}")
         self.name = cfg.name or f"volunteer-{self.identity.fingerprint[:9].replace(':', '')}"
-        from .outbox import Outbox
-
         self.outbox = Outbox(cfg.data_dir / "outbox", max_bytes=cfg.max_outbox_bytes)
-        from .ledger import ReceiptLedger
-
         self.ledger = ReceiptLedger(cfg.data_dir)
         self.status = VolunteerStatus(name=self.name, fingerprint=self.identity.fingerprint)
         self.run_id: str | None = None
         self.latest_version: int | None = None
-        from .lease_sizing import LeaseSizer
-
         self.sizer = LeaseSizer(cfg.prompts_per_batch, fixed=cfg.fixed_lease_size)  # work sized to this machine
         self.granted_at = 0.0
-        from .polite import IdleWatch
-
         self.polite = IdleWatch(cfg.data_dir, only_when_idle=cfg.only_when_idle, user_idle_s=cfg.user_idle_s,
                                 cpu_busy_fraction=cfg.idle_max_cpu)
         if cfg.only_when_idle:
@@ -185,8 +180,6 @@ class Volunteer(Session, LeaseCalls, Rollout, Delivery):
         self._awaiting_ack: dict[bytes, PendingAck] = {}  # spooled batch id -> its leases' grant (sizing)
         self._settled = threading.Event()  # an upload was answered
         self._uploader = None
-        from .pacing import ReconnectBackoff
-
         self._upload_retry = ReconnectBackoff()  # the uploader's waits after a failed flush (client/delivery.py)
         self._lease_retry = ReconnectBackoff()  # the lease loop's, after a call that reached no coordinator
         self.canary_refused: int | None = None  # a version whose canary failed: no work until a newer one passes
@@ -196,11 +189,6 @@ class Volunteer(Session, LeaseCalls, Rollout, Delivery):
 
     # ---- main loop (the engine thread; client/pipeline.py) --------------------------------------
     def run(self) -> VolunteerStatus:
-        from asyncrl.swarm.transport import TransportError
-
-        from .outbox import OutboxFull
-        from .pipeline import LeaseAhead, Stage, Uploader
-
         if getattr(self, "engine", None) is None:  # first run(); a later call continues with what it has
             current = self.wait_for_adapter()
             if current is None:  # stopped (SIGTERM/Ctrl-C) before the coordinator published anything
@@ -369,8 +357,6 @@ class Volunteer(Session, LeaseCalls, Rollout, Delivery):
             counts[code] = counts.get(code, 0) + 1
 
     def _write_status(self) -> None:
-        from asyncrl.protocol.atomic import write_json_atomic
-
         swarm = self.swarm.stats() if getattr(self, "swarm", None) is not None else None
         with self._status_lock:  # written by the engine, scorer and uploader threads: one snapshot at a time
             with self._counter_lock:
