@@ -28,6 +28,9 @@ gate, clock, run state, newest pointer, NAT dial-back); scoped by run id: `manif
 the network (coordinator/publisher.py PublishWorker holds the back-pressure invariant).
 
     asyncrl-coordinator run --model tiny --max-steps 150
+
+Size: the hub. Every component it wires is its own module; what stays here is the construction order
+(which matters: the DHT forks before torch and vLLM load) and the learner loop that ties them together.
 """
 
 from __future__ import annotations

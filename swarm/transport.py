@@ -15,6 +15,9 @@ authenticated (TLS/noise bound to peer IDs), so a caller that dialled the coordi
 who answered; requests that matter (batches) are additionally signed envelopes.
 
 Create the SwarmNode before loading CUDA/vLLM: hivemind.DHT forks.
+
+Size: `SwarmNode`'s framing, stream serving, calls, DHT access and shutdown share the node's loop thread
+and inbound gate; the gate and the private-API patches are their own modules.
 """
 
 from __future__ import annotations
