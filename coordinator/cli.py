@@ -260,12 +260,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(coord) -> int:
-    """Start, run, shut down; the summary line on success. The exit code."""
+    """Build, start, run, shut down (coordinator/service.py); the summary line on success. The exit code."""
     from .checkpoint import CheckpointError  # torch at import: only once a run starts (--help stays instant)
 
     try:
-        coord.start()
-        summary = coord.run()
+        coord.build_components()  # the swarm side first, then the learner; --resume restores here
+        coord.start()  # serve, publish the first version, print the join address
+        summary = coord.run()  # the learner loop, until max_steps, `finish` or a signal
     except (CheckpointError, TaskSourceError, PreflightError, PinError) as exc:
         print(f"asyncrl-coordinator: {exc}", file=sys.stderr)
         return 2

@@ -29,6 +29,10 @@ the network (coordinator/publisher.py PublishWorker holds the back-pressure inva
 
     asyncrl-coordinator run --model tiny --max-steps 150
 
+Stages: `Coordinator.build(cfg)` (or `build_components()` on a hub whose signal handlers are in) constructs
+every component in order and restores a resumed run's state; `start()` serves them, publishes the first version
+and prints the join address; `run()` is the learner loop; `shutdown()` stops what started.
+
 Size: the hub. Every component it wires is its own module; what stays here is the construction order
 (which matters: the DHT forks before torch and vLLM load) and the learner loop that ties them together.
 """
@@ -99,6 +103,9 @@ def task_reward_packages(source, cfg) -> tuple:
 
 
 class Coordinator:
+    """The hub: build, start, run, shutdown (the module docstring's "Stages"). `Coordinator(cfg).start()` builds
+    first when `build_components()` has not run."""
+
     def __init__(self, cfg: CoordinatorConfig, *, out=print):
         self.cfg = cfg.validate()
         self.out = out
@@ -117,11 +124,28 @@ class Coordinator:
         self.reward_errors = RewardErrors()  # what volunteers' reward functions raised (operator/reward_log.py)
         self.handshake_refusals = RewardErrors()  # volunteers turned away at the handshake (same shape of record)
         self.run_end = RunEnd(self.run_dir, active_window_s=cfg.lease_timeout_s)  # max_steps / `finish`: say so
+        self.built = False
 
-    # ---- start-up ---------------------------------------------------------------------------
-    def start(self) -> str:
+    # ---- construction -----------------------------------------------------------------------
+    @classmethod
+    def build(cls, cfg: CoordinatorConfig, *, out=print) -> Coordinator:
+        """The hub with every component constructed and restored (--resume); nothing served or published yet."""
+        hub = cls(cfg, out=out)
+        hub.build_components()
+        return hub
+
+    def build_components(self) -> None:
+        """Every component, in this order (each group needs the ones before it)."""
+        self._build_swarm_side()  # first: the DHT forks before torch spins up threads or CUDA
+        self._build_learner()  # the pinned base model, the learner, the task and the reward packages it needs
+        self._build_intake()  # task board, journal, access control, auditor, receipts, ingest, lease desk
+        self._build_publishing()  # publisher, checkpoints (--resume restores here), trust state, publish worker
+        self.built = True
+
+    def _build_swarm_side(self) -> None:
+        """The node, the pointer and the presence/provider desks. They start at once: a restarted coordinator
+        dials back the volunteers it knew while its model loads."""
         cfg = self.cfg
-        # The DHT forks: create it before torch spins up threads or CUDA.
         # With initial_peers it joins an existing DHT (e.g. a stock hivemind-dht node) instead of starting one.
         try:
             self.node = SwarmNode(initial_peers=cfg.initial_peers, host_maddrs=[f"/ip4/{cfg.host}/tcp/{cfg.port}"],
@@ -133,7 +157,7 @@ class Coordinator:
             raise TransportError(f"could not join the DHT through --initial-peers {' '.join(cfg.initial_peers)} "
                                  f"({exc.__class__.__name__}: {exc}); is one of them running and reachable?") from None
         assert self.node.peer_id == self.identity.peer_id, "p2pd did not adopt the coordinator key"
-        node_up = time.monotonic()
+        self.node_up = time.monotonic()  # the handlers come up later (start): the "serving" event says how much
         # swarm/records.py imports hivemind (seconds, a thread) at import: loaded with the node, not this module
         from asyncrl.swarm.records import PointerRecord, PresenceTracker, call_back_then_push, install_validator
 
@@ -154,6 +178,8 @@ class Coordinator:
         threading.Thread(target=call_back_then_push, args=(self.presence_tracker, self.pointer), name="call-back",
                          daemon=True).start()
 
+    def _build_learner(self) -> None:
+        cfg = self.cfg
         self.base = resolve_model(cfg, out=self.out)  # PinError (one line, exit 2) when it cannot be pinned
         path, pin = self.base.path, self.base.pin
         self.base_model, self.base_revision = pin.name, pin.revision
@@ -177,6 +203,11 @@ class Coordinator:
         if self.reward_packages:
             self.out("reward packages volunteers need: " + ", ".join(
                 f"{n}=={v}" for n, v in handshake_package_versions(self.reward_packages)))
+        self.task_source = source
+
+    def _build_intake(self) -> None:
+        """Everything a lease request or a submitted batch goes through, up to the learner's queue."""
+        cfg, source, pin = self.cfg, self.task_source, self.base.pin
         self.board = TaskBoard(source, lease_timeout_s=cfg.lease_timeout_s,
                                max_leases_per_client=cfg.max_leases_per_client,
                                lease_max_s=cfg.lease_max_s or cfg.lease_timeout_s,
@@ -214,12 +245,16 @@ class Coordinator:
                                     on_reward_error=self._reward_error)
         self.completion_log = CompletionLog(self.run_dir / "completions.jsonl", self.learner.tokenizer,
                                             every=cfg.log_completions_every, count=cfg.log_completions_count)
+
+    def _build_publishing(self) -> None:
+        """The publisher and what restores the run: checkpoints (--resume), audit tolerances, trust state."""
+        cfg, pin = self.cfg, self.base.pin
         self.publisher = Publisher(self.identity, run_id=cfg.run_id, base_model=self.base_model,
                                    base_revision=self.base_revision, lora=self.lora,
                                    keyframe_every=cfg.keyframe_every, chunk_bytes=cfg.chunk_bytes,
                                    base_weights_sha256=pin.weights_sha256, tokenizer_sha256=pin.tokenizer_sha256,
                                    stop_token_ids=pin.stop_token_ids,
-                                   max_context_tokens=preflight.context_needed(source, cfg.max_new_tokens))
+                                   max_context_tokens=preflight.context_needed(self.task_source, cfg.max_new_tokens))
         self.providers.source = self.publisher  # what a seeder's service check must return (swarm/seeder_service.py)
         self.gate = checkpoint.Gate()  # lease/submit handlers vs. a checkpoint snapshot
         self.checkpoints = checkpoint.Checkpointing(
@@ -228,7 +263,7 @@ class Coordinator:
             held=self.sync_round.held if self.sync_round is not None else None, auditor=self.auditor,
             identity=checkpoint.identity_meta(run_id=cfg.run_id, base_model=self.base_model,
                                               base_revision=self.base_revision, lora=self.lora),
-            export=checkpoint.AdapterExport.of_base(self.lora, path, pin))  # + a standard PEFT directory
+            export=checkpoint.AdapterExport.of_base(self.lora, self.base.path, pin))  # + a standard PEFT directory
         if cfg.resume:
             info = self.checkpoints.resume()
             self.log.write("resume", **info)
@@ -246,16 +281,24 @@ class Coordinator:
             back = self.board.recheck_retired()  # retirements whose reporters lost their standing come back
             if back:
                 self.out(f"{back} retired records back in the task (their reports no longer weigh enough)")
-        self.trust.start()
         # Everything up to learner.version - 1 may be held by volunteers (a resumed run's lineage).
         self.publish_worker = PublishWorker(self.publisher, self.pointer, before_visible=self._before_visible,
                                             on_published=self._on_published,
-                                            published_floor=self.learner.version - 1, out=self.out).start()
+                                            published_floor=self.learner.version - 1, out=self.out)
+
+    # ---- start-up ---------------------------------------------------------------------------
+    def start(self) -> str:
+        """Serve the built components, publish the first version, print how to join. The join address."""
+        if not self.built:
+            self.build_components()
+        cfg = self.cfg
+        self.trust.start()
+        self.publish_worker.start()
         # The handlers need the learner's tokenizer and the task, so they come up after the model loads (the
         # node must start first: the DHT forks). Until then volunteers' streams are refused by p2pd ("protocols
         # not supported"), which they retry soon (client/pacing.py ReconnectBackoff, class "starting").
         self._serve_handlers()
-        self.log.write("serving", after_node_s=round(time.monotonic() - node_up, 3))
+        self.log.write("serving", after_node_s=round(time.monotonic() - self.node_up, 3))
         self._publish()
         # The first version is servable before the join address is announced (the DHT store may lag).
         if not self.publish_worker.wait_published(self.learner.version):
