@@ -195,7 +195,7 @@ def shareable(out: Path) -> None:
 
 def _merge(ckpt: Path, meta: dict, cfg: dict, tensors: dict, out: Path, dtype: str, base_override: str | None) -> None:
     """Locate the pinned base, verify it, merge the adapter (`merge_adapter`), save in the requested dtype."""
-    from asyncrl.models import pinning
+    from asyncrl.models import pinning, sources
     from asyncrl.models.lora import TORCH_DTYPES
 
     pin_meta = meta.get("base_pin")
@@ -204,7 +204,7 @@ def _merge(ckpt: Path, meta: dict, cfg: dict, tensors: dict, out: Path, dtype: s
     pin = pinning.BasePin(**{**pin_meta, "stop_token_ids": tuple(pin_meta["stop_token_ids"])})
     own = str(cfg.get("base_model_name_or_path") or "")
     try:
-        base_dir = pinning.locate(pin, override=base_override or (own if Path(own).is_dir() else None)).path
+        base_dir = sources.locate(pin, override=base_override or (own if Path(own).is_dir() else None)).path
     except pinning.PinError as exc:
         raise ExportError(f"cannot merge: {exc}") from None
     merged = merge_adapter(base_dir, cfg, tensors)

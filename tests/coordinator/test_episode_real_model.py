@@ -66,7 +66,7 @@ class Scripted:
         self.tokenizer, self.stop_token_ids, self.policy = tok, stops, ScriptedPolicy(tok, turns)
 
     def generate(self, prompts, group_size, sampling):
-        from asyncrl.client.engine import Sample
+        from asyncrl.client.engine_api import Sample
 
         return [[Sample(ids, lps, "stop")] for ids, lps in self.policy(prompts, [sampling.max_new_tokens] * len(prompts))]
 
