@@ -148,16 +148,22 @@ def local_versions() -> str:
 
 def cheap_join_checks(node, coordinator_peer_id: str) -> tuple[Handshake, list[Check]]:
     """What `join` checks once its node is up: the handshake (versions, run state, clock). Raises
-    TransportError when the coordinator does not answer."""
-    deadline = time.time() + INFO_TIMEOUT_S * 4
+    TransportError when the coordinator does not answer; one that answers but does not serve the handshake
+    yet (NotServed: it is starting, loading its model) is waited for up to STARTING_GRACE_S."""
+    from asyncrl.swarm.transport import NotServed
+
+    from .pacing import STARTING_GRACE_S
+
+    started = time.time()
     while True:
         try:
             hs = exchange(node, coordinator_peer_id)
             break
         except ProtocolError:
             raise
-        except Exception:
-            if time.time() > deadline:
+        except Exception as exc:
+            waited = time.time() - started
+            if waited > (STARTING_GRACE_S if isinstance(exc, NotServed) else INFO_TIMEOUT_S * 4):
                 raise
             time.sleep(1.0)
     checks = [version_check(hs, local=local_versions())]

@@ -30,7 +30,6 @@ from asyncrl.swarm import streams
 from asyncrl.swarm.streams import stream_name
 from asyncrl.swarm.transport import TransportError
 
-MAX_BACKOFF_S = 30.0
 SEAL_OVERHEAD = 256  # envelope header + body framing around a payload (bytes, generous)
 MAX_INTERNAL_RETRIES = 5  # a batch the coordinator keeps failing on (INTERNAL) is quarantined after this
 
@@ -70,11 +69,20 @@ class Delivery:
 
     def _upload_failed(self, exc: Exception | None) -> float:
         """The uploader's back-off: a flush the coordinator deferred (None) or one that could not reach it."""
-        if exc is not None and not isinstance(exc, TransportError):
+        if isinstance(exc, TransportError):
+            return self._reconnect_wait(self._upload_retry, exc)
+        if exc is not None:
             self.display.event("warning", f"upload failed: {exc.__class__.__name__}: {str(exc)[:300]}")
-        elif exc is not None:
-            self.display.event("warning", f"coordinator unreachable ({exc}); retrying in {self._upload_backoff:.0f}s")
-        wait, self._upload_backoff = self._upload_backoff, min(MAX_BACKOFF_S, self._upload_backoff * 2)
+        return self._upload_retry.after_failure(exc)
+
+    def _reconnect_wait(self, retry, exc: Exception) -> float:
+        """How long to wait after `exc` (a TransportError) by its class (client/pacing.py ReconnectBackoff: a
+        coordinator that answers but does not serve the stream yet is starting, and is retried within seconds),
+        said on the display."""
+        wait = retry.after_failure(exc)
+        what = ("coordinator starting (it answers but serves no such stream yet)" if retry.last_class == "starting"
+                else "coordinator unreachable")
+        self.display.event("warning", f"{what} ({exc}); retrying in {wait:.1f}s", reconnect=retry.last_class)
         return wait
 
     def _spool(self, batch: messages.RolloutBatch) -> list[bytes]:
@@ -104,7 +112,7 @@ class Delivery:
                         continue
                     if not self._upload(batch_id, payload):
                         return False
-                self._upload_backoff = 1.0
+                self._upload_retry.reset()
                 return True
             finally:
                 if self.status.batches_sent != sent and self._uploader is not None:

@@ -49,12 +49,13 @@ from asyncrl.protocol.identity import Identity
 from asyncrl.swarm.bootstrap import join_spec
 from asyncrl.swarm.transport import TransportError, parse_join_address
 
-from .delivery import MAX_BACKOFF_S, Delivery, PendingAck
+from .delivery import Delivery, PendingAck
 from .display import Display
 from .lease_rpc import FINAL_LEASE_REJECTS, LeaseCalls
 from .lease_sizing import LeaseSizer
 from .ledger import ReceiptLedger
 from .outbox import Outbox, OutboxFull
+from .pacing import MAX_BACKOFF_S, ReconnectBackoff
 from .pipeline import LeaseAhead, Stage, Uploader
 from .polite import IdleWatch
 from .rollout import Rollout
@@ -180,7 +181,8 @@ class Volunteer(Session, LeaseCalls, Rollout, Delivery):
         self._awaiting_ack: dict[bytes, PendingAck] = {}  # spooled batch id -> its leases' grant (sizing)
         self._settled = threading.Event()  # an upload was answered
         self._uploader = None
-        self._upload_backoff = 1.0
+        self._upload_retry = ReconnectBackoff()  # the uploader's waits after a failed flush (client/delivery.py)
+        self._lease_retry = ReconnectBackoff()  # the lease loop's, after a call that reached no coordinator
         self.canary_refused: int | None = None  # a version whose canary failed: no work until a newer one passes
         self._canary_report = None  # a passed canary, said with the next lease request
         if self.outbox.migrated:
@@ -247,6 +249,7 @@ class Volunteer(Session, LeaseCalls, Rollout, Delivery):
                         continue
                     self.status.state = "working"
                     work = ahead.take() if ahead is not None and ahead.asked else self._fetch_work()
+                    self._lease_retry.reset()  # the coordinator answered
                     if not work.leases:
                         if work.retry_after > 0:  # the coordinator's waiting line (client/pacing.py IdleBackoff)
                             self.stop.wait(self.idle.after_empty(work.retry_after))
@@ -287,9 +290,7 @@ class Volunteer(Session, LeaseCalls, Rollout, Delivery):
                     self.stop.wait(backoff)
                     backoff = min(MAX_BACKOFF_S, backoff * 2)
                 except TransportError as exc:
-                    self.display.event("warning", f"coordinator unreachable ({exc}); retrying in {backoff:.0f}s")
-                    self.stop.wait(backoff)
-                    backoff = min(MAX_BACKOFF_S, backoff * 2)
+                    self.stop.wait(self._reconnect_wait(self._lease_retry, exc))
                 self._write_status()
                 self.display.status(self.status, version=self.sync.current.version if self.sync.current else None,
                                     latest=self.latest_version, outbox=len(self.outbox))

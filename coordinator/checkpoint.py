@@ -37,6 +37,9 @@ the checkpoint and never accepted gets UNKNOWN_LEASE (its prompt is handed out a
 (DUPLICATE_BATCH after resume) is in `<run_dir>/seen_ids.log`, appended incrementally by the trust-state
 thread (coordinator/ingest/ingest_books.py), plus the journal's own ids — so a checkpoint never copies the
 whole seen set, whatever the run's length.
+
+Size: the on-disk format, the atomic write and the restore of each component must stay in lockstep (a
+field written is a field read back), so they are read together.
 """
 
 from __future__ import annotations

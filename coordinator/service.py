@@ -28,6 +28,9 @@ gate, clock, run state, newest pointer, NAT dial-back); scoped by run id: `manif
 the network (coordinator/publisher.py PublishWorker holds the back-pressure invariant).
 
     asyncrl-coordinator run --model tiny --max-steps 150
+
+Size: the hub. Every component it wires is its own module; what stays here is the construction order
+(which matters: the DHT forks before torch and vLLM load) and the learner loop that ties them together.
 """
 
 from __future__ import annotations
@@ -117,6 +120,7 @@ class Coordinator:
             raise TransportError(f"could not join the DHT through --initial-peers {' '.join(cfg.initial_peers)} "
                                  f"({exc.__class__.__name__}: {exc}); is one of them running and reachable?") from None
         assert self.node.peer_id == self.identity.peer_id, "p2pd did not adopt the coordinator key"
+        node_up = time.monotonic()
         from asyncrl.swarm.providers import ProviderDesk
         from asyncrl.swarm.records import PointerRecord, PresenceTracker, call_back_then_push, install_validator
 
@@ -258,7 +262,11 @@ class Coordinator:
         self.publish_worker = PublishWorker(self.publisher, self.pointer, before_visible=self._before_visible,
                                             on_published=self._on_published,
                                             published_floor=self.learner.version - 1, out=self.out).start()
+        # The handlers need the learner's tokenizer and the task, so they come up after the model loads (the
+        # node must start first: the DHT forks). Until then volunteers' streams are refused by p2pd ("protocols
+        # not supported"), which they retry soon (client/pacing.py ReconnectBackoff, class "starting").
         self._serve_handlers()
+        self.log.write("serving", after_node_s=round(time.monotonic() - node_up, 3))
         self._publish()
         # The first version is servable before the join address is announced (the DHT store may lag).
         if not self.publish_worker.wait_published(self.learner.version):

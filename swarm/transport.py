@@ -15,12 +15,16 @@ authenticated (TLS/noise bound to peer IDs), so a caller that dialled the coordi
 who answered; requests that matter (batches) are additionally signed envelopes.
 
 Create the SwarmNode before loading CUDA/vLLM: hivemind.DHT forks.
+
+Size: `SwarmNode`'s framing, stream serving, calls, DHT access and shutdown share the node's loop thread
+and inbound gate; the gate and the private-API patches are their own modules.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import socket
 import threading
 import time
@@ -43,6 +47,17 @@ Handler = Callable[[bytes, str], Awaitable[bytes]]
 
 class TransportError(Exception):
     """The peer could not be reached or the stream broke (retryable)."""
+
+
+class NotServed(TransportError):
+    """The peer was reached but serves no handler of that name: its p2pd refused the stream's protocol
+    (go-multistream's "protocols not supported: [<name>]"). A coordinator that is starting says this: its node
+    listens before its handlers are registered (the model loads in between, after the DHT fork). Retryable,
+    soon: client/pacing.py ReconnectBackoff gives it a short back-off of its own."""
+
+
+NOT_SERVED = re.compile(r"protocols? not supported")
+"""What p2pd's ControlFailure says when the peer answered the dial but has no handler for the stream's name."""
 
 
 class BadAddress(ValueError):
@@ -299,7 +314,9 @@ class SwarmNode:
         try:
             try:
                 info, reader, writer = await self.p2p.call_binary_stream_handler(peer, name)
-            except ControlFailure:
+            except ControlFailure as exc:
+                if NOT_SERVED.search(str(exc)):  # reached, nothing serves `name` there (yet): no relay helps
+                    raise NotServed(f"{name} to {peer_id[-8:]}: the peer does not serve it (yet): {exc}") from None
                 if not await self._dial_via_relays(peer):
                     raise
                 info, reader, writer = await self.p2p.call_binary_stream_handler(peer, name)
@@ -366,11 +383,12 @@ class SwarmNode:
 
     def call(self, peer_id: str, name: str, request: bytes, *, max_response_bytes: int,
              timeout: float = 30.0) -> bytes:
-        """Blocking call from any non-loop thread. Network failures → TransportError."""
+        """Blocking call from any non-loop thread. Network failures → TransportError (NotServed when the peer
+        answered but serves no `name`)."""
         try:
             return self.loops.run(self.acall(peer_id, name, request, max_response_bytes=max_response_bytes),
                                   timeout=timeout)
-        except ProtocolError:
+        except (ProtocolError, NotServed):
             raise
         except Exception as exc:  # p2pd control errors, timeouts, broken streams
             notes = "".join(f" ({n})" for n in getattr(exc, "__notes__", ()))

@@ -28,6 +28,9 @@ which *every* reward returned None scores 0 (TRL warns; we count it in `GroupSco
 that is not finite or beyond `limits.MAX_ABS_REWARD` is an error of the reward, never a training value.
 
 `score_group` is the one function both sides call; `score` keeps the one-completion API.
+
+Size: one contract, TRL's reward functions as users bring them (signatures, conversational records,
+async rewards, weighted specs), and the group scorer that applies it.
 """
 
 from __future__ import annotations

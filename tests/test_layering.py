@@ -299,3 +299,32 @@ def test_shared_root_stays_small_and_holds_no_fixtures():
         assert not (root / fixture).exists()
         assert not any(folder.joinpath(fixture).exists() for folder in SUBSYSTEMS.values())
     assert not any(name.startswith(("asyncrl.bench", "asyncrl.tests")) for name in PACKAGE_DIRS)
+
+
+LONG_MODULE_LINES = 450  # issue 38: a module past this says at its top why it is one module ("Size: ...")
+
+
+def long_modules_without_a_reason(folders) -> list[str]:
+    out = []
+    for folder in folders:
+        for path in sorted(folder.rglob("*.py")):
+            text = path.read_text()
+            if text.count("\n") + 1 <= LONG_MODULE_LINES:
+                continue
+            doc = ast.get_docstring(ast.parse(text)) or ""
+            if not any(line.startswith("Size: ") for line in doc.splitlines()):
+                out.append(f"{path.name}: {path} ({text.count(chr(10)) + 1} lines)")
+    return out
+
+
+def test_every_long_module_says_why_it_is_one_module():
+    folders = [*SUBSYSTEMS.values(), REPO / PACKAGE_DIRS["asyncrl"]]
+    assert long_modules_without_a_reason(folders) == [], "split it, or say why not in a 'Size:' paragraph"
+
+
+def test_a_long_module_without_a_reason_is_found(tmp_path):
+    (tmp_path / "big.py").write_text('"""Owns a lot."""\n' + "x = 1\n" * LONG_MODULE_LINES)
+    (tmp_path / "said.py").write_text('"""Owns a lot.\n\nSize: because.\n"""\n' + "x = 1\n" * LONG_MODULE_LINES)
+    (tmp_path / "small.py").write_text('"""Owns little."""\nx = 1\n')
+    found = long_modules_without_a_reason([tmp_path])
+    assert len(found) == 1 and "big.py" in found[0]

@@ -35,6 +35,10 @@ is spent and stays in the volunteer's outbox for a later retry — nothing is dr
 
 Memory is bounded over a run of any length (coordinator/ingest/ingest_books.py): per-key stats in an LRU table,
 scalars only in the accepted log, a bucketed reward trace, seen ids capped and persisted incrementally.
+
+Size: the checks and the commit are one ordered pipeline whose order is the invariant (cheapest check
+first, the nonce spent only after room is reserved, journal before ack); split across files, that order
+would be invisible. Its books, journal and receipts are their own modules.
 """
 
 from __future__ import annotations

@@ -32,6 +32,9 @@ dropped (e.g. stale) or still waits in the learner's queue — none vanishes.
 Thread-safe: the P2P loop leases and completes, the learner loop only reads counters.
 Resumable: `state()` / `restore()` round-trip the outstanding leases, the requeue, the counters and the
 prompt source's position (JSON; coordinator/checkpoint.py stores it).
+
+Size: leases, the requeue and retirement sit behind one lock, and the invariant `balanced()` spans all
+three; split, a reader could not check that every grant ends in exactly one state.
 """
 
 from __future__ import annotations

@@ -47,6 +47,10 @@ together). Per-completion (not per-batch) so that one forged completion among 64
 averaged away; a trimmed per-token mean (not max, not plain mean) so that an honest token whose logprob
 is numerically touchy does not decide, however far off. Calibrated by bench/audit_calibration.py and
 bench/audit_bf16_tail.py; figures in docs/SECURITY.md.
+
+Size: routing, the learner-pass hook and the shadow-model pass share one tolerance, one set of kept
+version tensors and one scoring path, which must not drift apart; who is audited (audit_policy.py) and the
+worker thread (audit_worker.py) are already their own modules.
 """
 
 from __future__ import annotations

@@ -68,8 +68,8 @@ ROWS = {  # the table's rows (docs/SECURITY.md): what mallory does, and what sto
         "each peer id has its own handshake bucket (2/s, 20 at once) and its own dial-back allowance, and a "
         "dial-back goes only to ports the caller connects from or announces"),
     "bad seeders": (
-        "3 peer ids of mallory's pass the coordinator's probe and announce they serve, so with 2 proven volunteers "
-        "they fill seeder slots: one refuses every chunk at once, one never answers (a tarpit), one holds every "
+        "in each attack window 3 fresh peer ids of mallory's pass the coordinator's probe and announce they serve, "
+        "so with 2 proven volunteers they fill seeder slots: one refuses every chunk at once, one never answers (a tarpit), one holds every "
         "long poll to its end, says \"not yet\", and drains chunks from the coordinator meanwhile",
         "right after a version is published the coordinator asks each seeder for one of its chunks: one that "
         "refuses at once, never answers or misses twice is dropped from the record at once and for a doubling "
@@ -87,22 +87,25 @@ def open_row(attack, name: str):
     return attack(name, description, note=note)
 
 
-def honest_windows(swarm, step, pause_s: float = PAUSE_S, begin=None) -> dict:
-    """alice's and bob's acked batches per minute with and without the attack: PAIRS pairs of windows of
-    WINDOW_S / PAIRS seconds each, first without, then with `step()` (one round of the attack) run again and
-    again, `pause_s` apart, on a thread of its own.
+def honest_windows(swarm, step, pause_s: float = PAUSE_S, *, pairs: int = PAIRS, window_s: float = WINDOW_S / PAIRS,
+                   begin=None, end=None) -> dict:
+    """alice's and bob's acked batches per minute with and without the attack: `pairs` pairs of windows of
+    `window_s` seconds each, first without, then with `step()` (one round of the attack) run again and again,
+    `pause_s` apart, on a thread of its own.
 
-    `begin()`: an attack that cannot be paused (it changes what the coordinator remembers, e.g. whom it
-    chose as a seeder); it is called once, after all PAIRS baseline windows, and the PAIRS attack windows
-    follow. Then the two phases are not interleaved, and a change in the machine's load between them is not
-    evened out (the row says so with the load average)."""
+    An attack that cannot be paused (it changes what the coordinator remembers, e.g. whom it chose as a
+    seeder) starts afresh in each attack window instead: `begin()` is called as the window opens (inside it:
+    keep it cheap), `end()` after it closes, outside every window (it may wait, e.g. until the coordinator
+    has forgotten the attackers, so that nothing of the attack reaches the next baseline window)."""
     active, stop, errors = threading.Event(), threading.Event(), []
+    stepping = threading.Lock()  # held while a round runs: `end()` waits for the round in flight
 
     def run():
         try:
             while not stop.is_set():
                 if active.wait(0.1):
-                    step()
+                    with stepping:
+                        step()
                     stop.wait(pause_s)
         except BaseException as exc:  # noqa: BLE001 - re-raised below, on the test's thread
             errors.append(exc)
@@ -112,18 +115,20 @@ def honest_windows(swarm, step, pause_s: float = PAUSE_S, begin=None) -> dict:
     totals = {"baseline": [0, 0.0], "attack": [0, 0.0]}
     spans: list[tuple[str, float, float]] = []  # (phase, wall-clock start, end) of each window
     try:
-        order = ("baseline", "attack") * PAIRS if begin is None else ("baseline",) * PAIRS + ("attack",) * PAIRS
-        for i, phase in enumerate(order):
+        for phase in ("baseline", "attack") * pairs:
+            a0, t0, wall = swarm.acked(), time.monotonic(), time.time()
             if phase == "attack":
-                if begin is not None and order[i - 1] == "baseline":
+                if begin is not None:
                     begin()
                 active.set()
-            a0, t0, wall = swarm.acked(), time.monotonic(), time.time()
-            stop.wait(WINDOW_S / PAIRS)  # a measurement window, not an ordering of events
+            stop.wait(window_s)  # a measurement window, not an ordering of events
+            active.clear()
             totals[phase][0] += swarm.acked() - a0
             totals[phase][1] += time.monotonic() - t0
             spans.append((phase, wall, time.time()))
-            active.clear()
+            if phase == "attack" and end is not None:
+                with stepping:
+                    end()
             if errors:
                 raise errors[0]
     finally:
@@ -418,15 +423,16 @@ class BadSeeder:
     """A node of mallory's that passes the coordinator's probe (it refuses the probe's version at once, as any
     honest server does) and announces that it serves, so it can be chosen a seeder; then it serves nobody:
     `quick` refuses every request at once, `tarpit` never answers one, `slow` holds every long poll to its end
-    and then says "not yet". It counts who asked it for what (probes left out)."""
+    and then says "not yet". It counts who asked it for what (probes left out), and when each first asked."""
 
     def __init__(self, mallory, kind: str):
         from asyncrl.swarm.records import PresenceBeacon
 
         self.kind = kind
         self.ident = Identity.generate()
-        self.node = mallory.own_node(self.ident)
+        self.node = mallory.own_node(self.ident, track=False)  # shut down by `close`, when its window is over
         self.asked: Counter = Counter()  # peer id -> manifest and chunk requests
+        self.first_asked: dict[str, float] = {}  # peer id -> wall-clock time of its first request
         self.closed = False  # a held request gives up (so none is pending when the node shuts down)
         self.inflight = 0
         for name, wait_at in ((streams.MANIFEST, 8), (streams.CHUNK, 12)):
@@ -440,6 +446,7 @@ class BadSeeder:
         async def answer(request: bytes, peer: str) -> bytes:
             if int.from_bytes(request[:8], "big") != PROBE_VERSION:
                 self.asked[peer] += 1
+                self.first_asked.setdefault(peer, time.time())
                 held = 120.0 if self.kind == "tarpit" else 0.0
                 if self.kind == "slow" and len(request) == wait_at + 4:
                     held = min(10.0, int.from_bytes(request[wait_at:], "big") / 1000)
@@ -453,6 +460,17 @@ class BadSeeder:
             raise ProtocolError(RejectCode.STALE_VERSION, "chunk not held")
         return answer
 
+    def close(self) -> None:
+        """Stop announcing, let go of held requests, and leave the swarm (once)."""
+        if self.closed:
+            return
+        self.beacon.stop()
+        self.closed = True
+        try:
+            wait_for(lambda: self.inflight == 0, 30, f"mallory's {self.kind} seeder to let go of held requests")
+        finally:
+            self.node.shutdown()
+
 
 def load_average() -> str:
     import os
@@ -460,22 +478,58 @@ def load_average() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
+SEEDER_PAIRS, SEEDER_WINDOW_S = 3, 20.0
+"""The bad-seeders row's windows: a fresh set of seeders in each attack window (a dropped seeder stays dropped,
+so the same set would cost nothing after its first window), and longer windows than the other rows', since a
+new set is chosen only after the coordinator has read its presence (every 5 s) and probed it (every 5 s)."""
+
+
 def test_unproven_seeders_that_serve_nobody_are_dropped_on_measured_service(mallory, swarm, attack):
     from asyncrl.protocol import swarm as records
     from asyncrl.swarm.serving import chunk_request
 
     rec = open_row(attack, "bad seeders")
-    seeders = [BadSeeder(mallory, kind) for kind in ("quick", "tarpit", "slow")]  # before the windows: our CPU
     honest_peers = {Identity.load(d / "identity.key").peer_id for d in swarm.honest.values()}
-    slow = seeders[-1]
+
+    def new_set() -> list[BadSeeder]:  # made between windows: the attacker's CPU is ours here
+        return [BadSeeder(mallory, kind) for kind in ("quick", "tarpit", "slow")]
+
+    sets = [new_set()]
+    windows: list[tuple[float, float]] = []  # wall-clock span of each attack window
     codes: list[str] = []
     loads = [load_average()]
 
+    def named_none(bad: list[BadSeeder]):  # the coordinator's record names none of `bad`
+        raw = mallory.node.get(records.providers_key(RUN_ID, swarm.coordinator_peer, 0))
+        if not isinstance(raw, bytes):
+            return None
+        record = records.check_providers(raw, coordinator_key=swarm.coordinator_key, run_id=RUN_ID, shard=0)
+        named = set(record.seeders) | {h.peer_id for h in record.holders}
+        return record if not named & {b.node.peer_id for b in bad} else None
+
     def begin():
-        for b in seeders:
+        windows.append((time.time(), 0.0))
+        for b in sets[-1]:
             b.beacon.start()
 
+    def end():
+        """After an attack window: the coordinator chose and checked this window's set (the attack landed),
+        they leave, the record names none of them before the next baseline window opens, and the next
+        window's set is made."""
+        windows[-1] = (windows[-1][0], time.time())
+        bad = sets[-1]
+        try:
+            wait_for(lambda: all(b.asked[swarm.coordinator_peer] for b in bad), 90,
+                     "the coordinator to choose and check each of mallory's seeders")
+        finally:
+            for b in bad:
+                b.close()
+        wait_for(lambda: named_none(bad), 60, "a providers record naming none of mallory's seeders")
+        if len(sets) < SEEDER_PAIRS:
+            sets.append(new_set())
+
     def drain():  # the slow seeder drains chunk 0 of the newest version, 4 requests at once
+        slow = sets[-1][-1]
         version = swarm.current_version()
 
         async def one():
@@ -493,36 +547,31 @@ def test_unproven_seeders_that_serve_nobody_are_dropped_on_measured_service(mall
         codes.extend(slow.node.loops.run(burst(), timeout=60))
 
     try:
-        w = honest_windows(swarm, drain, begin=begin)
-        loads.append(load_average())
-        # the attack landed: the coordinator chose each of them a seeder and checked it ...
-        wait_for(lambda: all(b.asked[swarm.coordinator_peer] for b in seeders), 90,
-                 "the coordinator to choose and check each of mallory's seeders")
-
-        def names_none():  # ... and its record no longer names any of them
-            raw = mallory.node.get(records.providers_key(RUN_ID, swarm.coordinator_peer, 0))
-            if not isinstance(raw, bytes):
-                return None
-            record = records.check_providers(raw, coordinator_key=swarm.coordinator_key, run_id=RUN_ID, shard=0)
-            named = set(record.seeders) | {h.peer_id for h in record.holders}
-            return record if not named & {b.node.peer_id for b in seeders} else None
-        wait_for(names_none, 60, "a providers record naming none of mallory's seeders")
+        w = honest_windows(swarm, drain, pairs=SEEDER_PAIRS, window_s=SEEDER_WINDOW_S, begin=begin, end=end)
     finally:
-        for b in seeders:
-            b.beacon.stop()
-            b.closed = True
-        wait_for(lambda: all(b.inflight == 0 for b in seeders), 30, "mallory's seeders to let go of held requests")
+        for bad in sets:
+            for b in bad:
+                b.close()
+    loads.append(load_average())
     for c in codes:
         rec.saw(c, rejected=c != "PACED")
-    for b in seeders:
-        rec.saw("DROPPED")
-    honest_asks = {b.kind: sum(n for p, n in b.asked.items() if p in honest_peers) for b in seeders}
-    checks = {b.kind: b.asked[swarm.coordinator_peer] for b in seeders}
+    for bad in sets:
+        for b in bad:
+            rec.saw("DROPPED")
+    kinds = ("quick", "tarpit", "slow")
+    honest_asks = {k: sum(n for bad in sets for b in bad if b.kind == k for p, n in b.asked.items()
+                          if p in honest_peers) for k in kinds}
+    checks = {k: sum(b.asked[swarm.coordinator_peer] for bad in sets for b in bad if b.kind == k) for k in kinds}
+    in_window = sum(all(b.first_asked[swarm.coordinator_peer] <= t1 for b in bad)
+                    for bad, (t0, t1) in zip(sets, windows))
     groups = trained_in(swarm, w["spans"])
-    rec.note += (f"; requests alice and bob sent them: {honest_asks}; the coordinator's service checks: {checks}; "
-                 f"baseline windows first, then the attack's (a seeder's choice cannot be undone within a window); "
-                 f"load average {loads[0]} before, {loads[1]} after; {figures(w)}; groups the learner dropped as "
-                 f"too stale (an honest volunteer held back on an old version is acked, then dropped): "
-                 f"{groups['baseline'][1]} of {sum(groups['baseline'])} in the baseline windows, "
-                 f"{groups['attack'][1]} of {sum(groups['attack'])} during the attack")
+    rec.note += (f"; {len(sets)} sets of 3 seeders, a fresh set in each attack window ({SEEDER_WINDOW_S:.0f} s, "
+                 f"interleaved with as many baseline windows; a set leaves and the record names none of it before "
+                 f"the next baseline window opens); sets checked by the coordinator within their window: "
+                 f"{in_window} of {len(sets)}; requests alice and bob sent them: {honest_asks}; the coordinator's "
+                 f"service checks: {checks}; load average {loads[0]} before, {loads[1]} after; {figures(w)}; "
+                 f"groups the learner dropped as too stale (an honest volunteer held back on an old version is "
+                 f"acked, then dropped): {groups['baseline'][1]} of {sum(groups['baseline'])} in the baseline "
+                 f"windows, {groups['attack'][1]} of {sum(groups['attack'])} during the attack")
+    assert len(sets) == len(windows) == SEEDER_PAIRS
     assert_kept_pace(w)
