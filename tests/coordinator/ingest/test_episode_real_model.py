@@ -20,7 +20,7 @@ from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.identity import Identity
 from asyncrl.tasks.sources import encode_prompt
 
-from ..envs.scripted import ScriptedPolicy
+from tests.envs.scripted import ScriptedPolicy
 
 COORD = Identity.from_seed(bytes(range(32)))
 ALICE = Identity.from_seed(bytes(range(1, 33)))
