@@ -89,9 +89,9 @@ def main(argv=None) -> int:
         other_base = str(tinymodel.write_tiny_model(tinymodel.default_tiny_model_dir().with_name("tiny-qwen2-seed1"),
                                                     seed=1))
     else:
-        from asyncrl.models import pinning
+        from asyncrl.models import sources
 
-        path, other_base = str(pinning.resolve(args.model).path), None
+        path, other_base = str(sources.resolve(args.model).path), None
     lora = LoraSpec(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=0.0, target_modules=tuple(cfg.lora_targets))
     learner = Learner(path, lora, lr=cfg.lr, loss=cfg.loss, max_staleness=cfg.max_staleness, seed=args.seed)
     auditor = Auditor(learner, tolerance=tol, floor=cfg.audit_floor, keep_versions=args.versions + 1)

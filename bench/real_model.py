@@ -96,9 +96,9 @@ def coordinator_overrides(a, run_dir: Path) -> dict:
 
 
 def model_dir(model: str) -> str:
-    from asyncrl.models import pinning
+    from asyncrl.models import sources
 
-    return pinning.resolve(model).path
+    return sources.resolve(model).path
 
 
 def eval_prompts(cfg, tokenizer, n: int):

@@ -254,7 +254,7 @@ class ScriptedEngine:
         self.version, self.loaded = version, self.loaded + 1
 
     def generate(self, prompts, group_size: int, sampling):
-        from asyncrl.client.engine import Sample
+        from asyncrl.client.engine_api import Sample
 
         if self.gen_s > 0:
             time.sleep(self.gen_s)

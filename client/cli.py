@@ -286,7 +286,7 @@ def run_volunteer(cfg, args) -> tuple[int, object]:
     from asyncrl.swarm.transport import TransportError
 
     from .checks import DOCTOR_HINT
-    from .engine import EngineUnavailable
+    from .engine_api import EngineUnavailable
     from .rollout import EngineFailed
     from .session import BaseModelMismatch, JoinCheckFailed, RunFinished
     from .worker import Volunteer

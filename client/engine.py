@@ -1,9 +1,6 @@
-"""Generation engines behind one small interface.
+"""The transformers generation engine, and the choice of engine for this machine (`make_engine`).
 
-`Engine.generate(prompts, group_size, sampling)` returns, per prompt, `group_size` samples with the
-per-token log-probabilities *of the distribution that was sampled from* (after repetition penalty,
-temperature, min-p, top-k and top-p: models/sampling.py) — the behaviour policy the learner corrects against.
-`Engine.load_adapter(version, specs, blobs)` hot-swaps the LoRA adapter for a new version.
+The interface both engines implement (`Engine`, `Sample`, `EngineUnavailable`) is client/engine_api.py.
 
 Stop rule (the same in every engine, and what ingest re-derives): generation of a sequence ends at the
 first token in `stop_token_ids` — the set the manifest publishes (models/pinning.py: generation_config
@@ -17,33 +14,19 @@ reward); both engines mask them, the learner's softmax leaves them out (models/l
 and ingest refuses a completion holding one (OUT_OF_VOCAB).
 
 Implementations: `TransformersEngine` (transformers + peft; the CPU/test fallback) and `VLLMEngine`
-(client/engine_vllm.py).
+(client/engine_vllm.py), which `make_engine` picks between.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 
 from asyncrl.protocol.messages import LoraSpec, SamplingParams, derive_finish_reason
 
-
-@dataclass
-class Sample:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "stop" (ends with a stop token) or "length" (protocol.messages.derive_finish_reason)
-
-
-class Engine(Protocol):
-    name: str
-
-    def load_adapter(self, version: int, specs, blobs: dict[str, bytes]) -> None: ...
-
-    def generate(self, prompts: Sequence[list[int]], group_size: int,
-                 sampling: SamplingParams) -> list[list[Sample]]: ...
+from .engine_api import Engine, EngineUnavailable, Sample
+from .engine_vllm import VLLMEngine
 
 
 class TransformersEngine:
@@ -184,10 +167,6 @@ def processed_logprobs(logits: torch.Tensor, sampling: SamplingParams, vocab_lim
     return torch.log_softmax(logits, dim=-1)
 
 
-class EngineUnavailable(RuntimeError):
-    """The requested engine cannot run here (the message says why and what to do)."""
-
-
 def vllm_status() -> tuple[bool, str]:
     """(usable, reason). vLLM is picked automatically only with CUDA and an importable vllm."""
     import importlib.util
@@ -272,8 +251,6 @@ def make_engine(kind: str, model: str, lora: LoraSpec, *, gpu_memory_utilization
             too_old = vllm_too_old()
             if too_old:
                 raise EngineUnavailable(too_old)
-            from .engine_vllm import VLLMEngine
-
             return VLLMEngine(model, lora, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
                               max_staleness=max_staleness, max_model_len=max_model_len, stop_token_ids=stop_token_ids,
                               max_gpu_memory_gb=max_gpu_memory_gb)

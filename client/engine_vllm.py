@@ -1,4 +1,4 @@
-"""vLLM generation engine: the same interface as `TransformersEngine` (see `engine.py`).
+"""vLLM generation engine: the same interface as `TransformersEngine` (client/engine_api.py).
 
 Each adapter version is written as an ordinary PEFT directory under a private temp dir and registered
 with vLLM under a fresh name and id (`v{version}.{id}`; vLLM's prefix cache keys on name and path), so
@@ -34,7 +34,7 @@ import torch
 
 from asyncrl.protocol.messages import LoraSpec, SamplingParams, derive_finish_reason
 
-from .engine import EngineUnavailable, Sample
+from .engine_api import EngineUnavailable, Sample
 
 CPU_KV_CACHE_BYTES = 1 << 30  # default KV cache on CPU when neither the caller nor VLLM_CPU_KVCACHE_SPACE sets one
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 import time
 
 from asyncrl.models.canary import canary_tokens, judge
-from asyncrl.models.pinning import PinError, locate, pin_of
+from asyncrl.models.pinning import PinError, pin_of
+from asyncrl.models.sources import locate
 from asyncrl.protocol import messages
 from asyncrl.protocol.errors import RejectCode
 from asyncrl.swarm import bootstrap

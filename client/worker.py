@@ -13,7 +13,8 @@ hub's state; none imports this hub):
 Components (one job each; none references this hub):
   SwarmNode    (asyncrl.swarm.transport)  hivemind DHT + P2P streams to the coordinator
   AdapterSync  (client/adapter_sync.py) watch the signed pointer, fetch + verify + decode adapter versions
-  Engine       (client/engine.py) generation with per-token sampling logprobs (transformers; vLLM plugs in here)
+  Engine       (client/engine_api.py) generation with per-token sampling logprobs (client/engine.py: transformers
+               and make_engine; client/engine_vllm.py: vLLM)
   Outbox       (client/outbox.py) batch payloads on disk until acked; sealed afresh at each upload
   ReceiptLedger (client/ledger.py) each ack's coordinator-signed receipt, verified, append-only
   LeaseKeeper  (client/lease_keeper.py) renews the leases being worked on

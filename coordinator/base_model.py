@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from asyncrl.models import pinning
+from asyncrl.models import pinning, sources
 
 from .checkpoint import latest_meta
 from .config import CoordinatorConfig
@@ -21,4 +21,4 @@ def resolve_model(cfg: CoordinatorConfig, *, out=print):
         meta = latest_meta(Path(cfg.run_dir)) or {}
         if meta.get("base_model") == cfg.model and pinning.is_commit_sha(meta.get("base_revision", "")):
             revision = meta["base_revision"]
-    return pinning.resolve(cfg.model, revision, out=out)
+    return sources.resolve(cfg.model, revision, out=out)

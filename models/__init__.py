@@ -9,6 +9,8 @@
                 order): the transformers engine samples with it, the scorer scores with it
   pinning.py    the base model pinned to an immutable revision (hub commit / content hash), tokenizer and
                 stop-set hashes; the volunteer's verification and its PinCodes
+  sources.py    where a pinned base's files come from (tiny, local directory, hub id, GGUF): the coordinator's
+                `resolve` and a volunteer's `locate`
   gguf.py       GGUF files as a base (`--model PATH.gguf`, `smollm2-135m-instruct`): converted once to a
                 Hugging Face directory cached by the GGUF's sha256, pinned by that hash plus the conversion's
   tinymodel.py  the built-in tiny Qwen2-style model, written as an ordinary HF directory (tests, demo);

@@ -122,7 +122,7 @@ def default_cache_dir() -> Path:
     return cache / "asyncrl" / "gguf"
 
 
-# ---- pinning: the coordinator's resolve, a volunteer's locate (models/pinning.py dispatches here) -------
+# ---- pinning: the coordinator's resolve, a volunteer's locate (models/sources.py dispatches here) -------
 def resolve_gguf(name: str, source: Path, revision: str = "", *, out=None) -> ResolvedBase:
     """Pin the GGUF `source` that the model string `name` stands for. `revision` may be the
     "gguf-sha256:..." it must have (checked) or a moving name ("main", "") that is ignored."""

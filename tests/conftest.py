@@ -208,10 +208,10 @@ def require_smollm2():
 def smollm2():
     """SmolLM2-135M-Instruct pinned and converted (once per run: the shared GGUF cache above): a
     `models.pinning.ResolvedBase` whose `.path` is an ordinary Hugging Face directory."""
-    from asyncrl.models import pinning
+    from asyncrl.models import sources
 
     require_smollm2()
-    return pinning.resolve("smollm2-135m-instruct")
+    return sources.resolve("smollm2-135m-instruct")
 
 
 def require_vllm() -> None:

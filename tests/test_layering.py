@@ -13,6 +13,9 @@ Inside coordinator/ the same holds one level down (coordinator/__init__.py draws
 
 Inside client/ the volunteer hub (worker.py `Volunteer`, started by cli.py) is built from its parts (session,
 lease_rpc, rollout, delivery) and the components beside them; none of them imports the hub or the CLI back.
+
+No module of ours imports itself back through others, module-level or inside a function: a circle means
+one of its modules owns two things, and the shared one belongs in a module both can import.
 """
 
 from __future__ import annotations
@@ -97,10 +100,20 @@ def read_in_a_fresh_interpreter(jobs: list[tuple[Path, str]]) -> list[set[str]]:
     return [set(mods) for mods in json.loads(done.stdout)]
 
 
+ROOT = REPO / PACKAGE_DIRS["asyncrl"]
+
+
+def _our_modules() -> dict[Path, str]:
+    """file -> module name, for every module of ours: the shared root asyncrl/*.py and each subsystem's tree."""
+    files = {path: _module_name(path, ROOT, "asyncrl") for path in sorted(ROOT.glob("*.py"))}
+    files.update((path, _module_name(path, folder, f"asyncrl.{name}"))
+                 for name, folder in sorted(SUBSYSTEMS.items()) for path in sorted(folder.rglob("*.py")))
+    return files
+
+
 @functools.lru_cache(maxsize=None)
 def _imports_of_every_file() -> dict[Path, set[str]]:
-    jobs = [(path, _module_name(path, folder, f"asyncrl.{name}"))
-            for name, folder in sorted(SUBSYSTEMS.items()) for path in sorted(folder.rglob("*.py"))]
+    jobs = list(_our_modules().items())
     return dict(zip((path for path, _ in jobs), read_in_a_fresh_interpreter(jobs)))
 
 
@@ -167,6 +180,14 @@ def test_every_coordinator_sub_package_has_its_row_and_says_what_it_owns():
         assert doc and "Imports" in doc, f"coordinator/{name}/__init__.py must open with what it owns and imports"
 
 
+def test_the_coordinator_tests_mirror_its_sub_packages():
+    """tests/coordinator/<part>/ holds the tests of coordinator/<part>/; the hub's and shared modules' at its top."""
+    subs = {d.name for d in SUBSYSTEMS["coordinator"].iterdir() if (d / "__init__.py").exists()}
+    tests = {d.name for d in (REPO / "tests" / "coordinator").iterdir() if d.is_dir() and d.name != "__pycache__"}
+    assert tests <= subs, f"tests/coordinator/ folders with no coordinator/ sub-package: {sorted(tests - subs)}"
+    assert all((REPO / "tests" / "coordinator" / name / "__init__.py").exists() for name in tests)
+
+
 def test_coordinator_layering():
     bad = {f: (own, sorted(o - COORDINATOR_ALLOWED[own])) for f, (own, o) in coordinator_imports().items()
            if o - COORDINATOR_ALLOWED[own]}
@@ -191,16 +212,91 @@ def test_no_client_module_imports_the_volunteer_hub():
     assert not bad, f"only {sorted(CLIENT_HUB)} may import the volunteer hub; found {bad}"
 
 
-def test_the_import_reader_sees_relative_and_absolute_imports(tmp_path):
-    """The checker itself: it must resolve relative imports, or the layering test could never fail."""
+def write_package(tmp_path: Path, files: dict[str, str]) -> Path:
+    """A throwaway package `pkg` under tmp_path holding `files` (name -> source), for the checkers' self-tests."""
     pkg = tmp_path / "pkg"
     pkg.mkdir()
-    (pkg / "__init__.py").write_text("from . import a\n")
-    (pkg / "b.py").write_text("from .a import x\nfrom asyncrl.client import worker\nimport asyncrl.protocol.codec\n")
+    for name, source in files.items():
+        (pkg / name).write_text(source)
+    return pkg
+
+
+def test_the_import_reader_sees_relative_and_absolute_imports(tmp_path):
+    """The checker itself: it must resolve relative imports, or the layering test could never fail."""
+    pkg = write_package(tmp_path, {
+        "__init__.py": "from . import a\n",
+        "b.py": "from .a import x\nfrom asyncrl.client import worker\nimport asyncrl.protocol.codec\n"})
     init, got = read_in_a_fresh_interpreter([(pkg / "__init__.py", "asyncrl.coordinator"),
                                              (pkg / "b.py", "asyncrl.coordinator.b")])
     assert init >= {"asyncrl.coordinator.a"}
     assert {"asyncrl.coordinator.a", "asyncrl.client", "asyncrl.client.worker", "asyncrl.protocol.codec"} <= got
+
+
+def import_cycles(imports: dict[str, set[str]]) -> list[list[str]]:
+    """The circles in `imports` (module -> what it imports, every import statement in the file): each
+    strongly connected group of two or more modules, sorted. Only edges to modules in `imports` count, and
+    not a module's edge to its own parent packages, which are already being imported when it runs."""
+    graph = {m: sorted(t for t in targets if t in imports and t != m and not m.startswith(t + "."))
+             for m, targets in imports.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    for start in sorted(graph):  # Tarjan's algorithm, iterative (no recursion limit on a deep chain)
+        if start in index:
+            continue
+        work = [(start, iter(graph[start]))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    group = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        group.append(member)
+                        if member == node:
+                            break
+                    if len(group) > 1:
+                        cycles.append(sorted(group))
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(graph[child])))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return sorted(cycles)
+
+
+def test_no_import_cycles():
+    every = _imports_of_every_file()
+    cycles = import_cycles({module: every[path] for path, module in _our_modules().items()})
+    assert not cycles, f"modules that import each other (module-level or function-local): {cycles}"
+
+
+def test_the_cycle_check_finds_a_deliberate_circle(tmp_path):
+    """The checker itself, on a package whose a -> b -> c -> a circle closes through a function-local import."""
+    pkg = write_package(tmp_path, {
+        "__init__.py": "from . import a\n",
+        "a.py": "from .b import f\n",
+        "b.py": "from . import c\n\ndef f():\n    return c\n",
+        "c.py": "def g():\n    from .a import f\n    return f\n",
+        "d.py": "from .a import f\nfrom . import b\n"})  # d imports the circle but is not in it
+    names = {path: f"asyncrl.pkg{'.' + path.stem if path.stem != '__init__' else ''}" for path in sorted(pkg.iterdir())}
+    imports = dict(zip(names.values(), read_in_a_fresh_interpreter(list(names.items()))))
+    assert import_cycles(imports) == [["asyncrl.pkg.a", "asyncrl.pkg.b", "asyncrl.pkg.c"]]
+    (pkg / "c.py").write_text("def g():\n    return None\n")  # the circle broken: none left
+    after = dict(zip(names.values(), read_in_a_fresh_interpreter(list(names.items()))))
+    assert import_cycles(after) == []
 
 
 def test_shared_root_stays_small_and_holds_no_fixtures():

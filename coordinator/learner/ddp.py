@@ -23,7 +23,7 @@ the wrappers' collectives always pair up. The train-time generation audit is off
 
 Devices: `--device cuda` (or auto with a GPU) means cuda:LOCAL_RANK on each rank, with NCCL; CPU ranks use gloo.
 Every collective this module issues goes through `Collectives`, on a tensor on the learner's device (NCCL
-takes no CPU tensors), and records that device (ddp_check reports them; tests/coordinator/test_ddp.py checks).
+takes no CPU tensors), and records that device (ddp_check reports them; tests/coordinator/learner/test_ddp.py checks).
 Waiting: collectives time out after COLLECTIVE_TIMEOUT_S (`init_process_group(timeout=)`), so a dead rank is
 an error, not a hang. Between steps rank 0 may wait for rollouts far longer (start-up calibration, an empty
 swarm), so its `Heartbeat` thread broadcasts a HEARTBEAT header every HEARTBEAT_S while no step is running;

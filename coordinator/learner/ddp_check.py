@@ -11,7 +11,7 @@ resulting LoRA parameters to `--out` as safetensors, keyed `<loss type>/<paramet
     python -m asyncrl.coordinator.learner.ddp_check --compare /tmp/one.safetensors /tmp/two.safetensors
     torchrun --standalone --nproc-per-node 2 -m asyncrl.coordinator.learner.ddp_check --device cuda --out /tmp/nccl.safetensors
 
-tests/coordinator/test_ddp.py runs these commands on CPU (gloo). `--device` picks each rank's learner device
+tests/coordinator/learner/test_ddp.py runs these commands on CPU (gloo). `--device` picks each rank's learner device
 (cuda: cuda:LOCAL_RANK with NCCL); every rank writes next to `--out` (`<out>.rank<R>.json`) the device of every
 collective it issued, which must be the learner's, and where it loaded the base (FSDP: rank 0 on the host,
 the others on the meta device). `--timeout-s` sets the collective timeout and `--idle-s`

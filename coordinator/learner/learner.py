@@ -14,7 +14,7 @@ One step (`step`):
   3. rows sorted by length and packed into micro-batches of at most `micro_batch_tokens` padded tokens
      (`plan_micro_batches`); each micro-batch is padded to its own longest row, its loss is
      sum(per-token objective * `loss.token_weights`(global normaliser)) and is back-propagated at once, so
-     gradients accumulate to exactly the full-batch gradient (tests/coordinator/test_microbatch.py);
+     gradients accumulate to exactly the full-batch gradient (tests/coordinator/learner/test_microbatch.py);
   4. statistics (`loss.LossTotals`) are summed across micro-batches on the device and read once per step;
      grad norm (before clipping), clip, AdamW step, LR scheduler step.
 Device and dtype: base weights in `dtype` (bf16 on CUDA by default) on `device`; the LoRA parameters and so

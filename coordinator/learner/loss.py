@@ -54,7 +54,7 @@ A micro-batch's loss is sum(policy_terms.per_token * token_weights): the pieces 
 loss exactly (docs/learner.md). `grpo_loss` is the one-batch composition of the three.
 
 Everything here is pure tensor math on padded [B, T] tensors so it can be unit-tested against
-hand-computed values (tests/coordinator/test_loss.py, tests/coordinator/test_microbatch.py).
+hand-computed values (tests/coordinator/learner/test_loss.py, tests/coordinator/learner/test_microbatch.py).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ grant, and a request for 0 prompts only renews (it never joins the idle line). S
 front of the queue at once.
 
 No network here: `handle(request_bytes, peer)` takes the bytes a P2P handler read and returns the
-bytes to answer, so tests drive it in-process with sealed envelopes (tests/coordinator/test_leasing.py).
+bytes to answer, so tests drive it in-process with sealed envelopes (tests/coordinator/leasing/test_leasing.py).
 Unattributable garbage (no valid signature) is charged to the transport peer.
 """
 

@@ -127,7 +127,7 @@ def eval_prompts(run_cfg, cfg, tokenizer, n: int) -> list:
 # ---- loading, stock ---------------------------------------------------------------------------------
 def base_directory(run_dir: Path, cfg) -> str:
     """The run's base model directory: a checkpoint's pin located and verified, else the config's model."""
-    from asyncrl.models import pinning
+    from asyncrl.models import pinning, sources
 
     from .export import ExportError, find_checkpoint
 
@@ -138,8 +138,8 @@ def base_directory(run_dir: Path, cfg) -> str:
     try:
         if meta.get("base_pin"):
             pin = pinning.BasePin(**{**meta["base_pin"], "stop_token_ids": tuple(meta["base_pin"]["stop_token_ids"])})
-            return pinning.locate(pin).path
-        return pinning.resolve(cfg.model, cfg.model_revision).path
+            return sources.locate(pin).path
+        return sources.resolve(cfg.model, cfg.model_revision).path
     except pinning.PinError as exc:
         raise EvalError(f"cannot load the base model: {exc}") from None
 

@@ -195,7 +195,7 @@ def shareable(out: Path) -> None:
 
 def _merge(ckpt: Path, meta: dict, cfg: dict, tensors: dict, out: Path, dtype: str, base_override: str | None) -> None:
     """Locate the pinned base, verify it, merge the adapter (`merge_adapter`), save in the requested dtype."""
-    from asyncrl.models import pinning
+    from asyncrl.models import pinning, sources
     from asyncrl.models.lora import TORCH_DTYPES
 
     pin_meta = meta.get("base_pin")
@@ -204,7 +204,7 @@ def _merge(ckpt: Path, meta: dict, cfg: dict, tensors: dict, out: Path, dtype: s
     pin = pinning.BasePin(**{**pin_meta, "stop_token_ids": tuple(pin_meta["stop_token_ids"])})
     own = str(cfg.get("base_model_name_or_path") or "")
     try:
-        base_dir = pinning.locate(pin, override=base_override or (own if Path(own).is_dir() else None)).path
+        base_dir = sources.locate(pin, override=base_override or (own if Path(own).is_dir() else None)).path
     except pinning.PinError as exc:
         raise ExportError(f"cannot merge: {exc}") from None
     merged = merge_adapter(base_dir, cfg, tensors)
@@ -234,7 +234,7 @@ def merge_adapter(base_dir: str | Path, cfg: dict, tensors: dict, *, device: str
     The base is read straight onto the device in its dtype (models.lora.load_base_model: no fp32 copy, no full
     host copy on a GPU), so a 7B bf16 base needs ~15 GB of GPU memory, not ~30 GB of host RAM. PEFT keeps the
     adapter in fp32 and adds B @ A * scale to each bf16 weight in place: one rounding of the exact fp32 sum,
-    the same bits as merging in fp32 and casting (tests/coordinator/test_export.py). On a CPU-only machine the
+    the same bits as merging in fp32 and casting (tests/coordinator/operator/test_export.py). On a CPU-only machine the
     base must fit host RAM in its dtype; a base larger than that is not merged here (docs/learner.md)."""
     import tempfile
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from asyncrl.client.engine import Sample
+from asyncrl.client.engine_api import Sample
 from asyncrl.client.rollout import ENGINE_FAILURE_STREAK, EngineFailed
 from asyncrl.client.worker import Volunteer, VolunteerConfig
 from asyncrl.protocol import messages

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from asyncrl import envs
-from asyncrl.client.engine import Sample, TransformersEngine
+from asyncrl.client.engine import TransformersEngine
+from asyncrl.client.engine_api import Sample
 from asyncrl.client.episodes import episode_completion, generate_episodes
 from asyncrl.coordinator.ingest.ingest import Ingest
 from asyncrl.coordinator.leasing.taskboard import TaskBoard

@@ -12,7 +12,7 @@ from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import Identity
 
-from tests.coordinator.test_leasing import RUN, grant, make_desk, tokenizer  # noqa: F401 (fixture)
+from tests.coordinator.leasing.test_leasing import RUN, grant, make_desk, tokenizer  # noqa: F401 (fixture)
 
 
 def sealed(volunteer: Identity, coordinator: Identity, req: messages.LeaseRequest) -> bytes:

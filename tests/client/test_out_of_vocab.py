@@ -15,7 +15,7 @@ from asyncrl.models import tinymodel
 from asyncrl.models.logprobs import CompletionScorer
 from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.messages import LoraSpec, SamplingParams
-from tests.coordinator.test_ingest_commit import ALICE, COORD, SAMPLING, make
+from tests.coordinator.ingest.test_ingest_commit import ALICE, COORD, SAMPLING, make
 
 
 class FavoursPaddedRows(torch.nn.Module):

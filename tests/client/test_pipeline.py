@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 
-from asyncrl.client.engine import Sample
+from asyncrl.client.engine_api import Sample
 from asyncrl.client.pacing import DutyCycle, IdleBackoff
 from asyncrl.client.worker import Volunteer, VolunteerConfig
 from asyncrl.protocol import envelope, messages

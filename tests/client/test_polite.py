@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from asyncrl.client import cli
-from asyncrl.client.engine import Sample
+from asyncrl.client.engine_api import Sample
 from asyncrl.client.polite import CpuUsers, GpuUsers, IdleWatch, UserActivity, our_pids
 from asyncrl.client.worker import Volunteer, VolunteerConfig
 from asyncrl.protocol import messages

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.models import gguf, pinning
+from asyncrl.models import gguf, pinning, sources
 from asyncrl.models.pinning import PinCode, PinError
 
 from tests.conftest import require_smollm2
@@ -57,7 +57,7 @@ def test_the_named_model_is_pinned_by_its_gguf_and_its_conversion(smollm2):
     assert pin.stop_token_ids == tuple(sorted(tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])))
     assert json.loads((path / "gguf_source.json").read_text())["gguf_sha256"] == gguf.file_sha256(source)
     # resolving again reuses the cached conversion: same directory, same pin
-    again = pinning.resolve("smollm2-135m-instruct")
+    again = sources.resolve("smollm2-135m-instruct")
     assert again.path == smollm2.path and again.pin == pin
 
 
@@ -83,7 +83,7 @@ def test_a_second_conversion_elsewhere_gives_the_same_pin(smollm2, tmp_path, mon
     copy.parent.mkdir()
     shutil.copy(source, copy)
     monkeypatch.setenv("ASYNCRL_GGUF_CACHE", str(tmp_path / "other-cache"))
-    got = pinning.locate(smollm2.pin, override=str(copy))
+    got = sources.locate(smollm2.pin, override=str(copy))
     assert Path(got.path).parent == tmp_path / "other-cache" and got.path != smollm2.path
     assert pinning.weights_hash(got.path) == smollm2.pin.weights_sha256
     assert pinning.tokenizer_hash(got.path) == smollm2.pin.tokenizer_sha256
@@ -99,10 +99,10 @@ def test_an_altered_gguf_is_refused_before_conversion(smollm2, tmp_path, monkeyp
         f.seek(-1, os.SEEK_END)
         f.write(bytes([last[0] ^ 1]))
     monkeypatch.setenv("ASYNCRL_GGUF_CACHE", str(tmp_path / "cache"))
-    assert code_of(pinning.locate, smollm2.pin, override=str(altered)) is PinCode.REVISION_MISMATCH
+    assert code_of(sources.locate, smollm2.pin, override=str(altered)) is PinCode.REVISION_MISMATCH
     assert not (tmp_path / "cache").exists()  # refused on the hash: nothing converted
     # the coordinator's side: a config that pins another GGUF revision refuses this one
-    assert code_of(pinning.resolve, str(altered), gguf.gguf_revision("0" * 64)) is PinCode.REVISION_MISMATCH
+    assert code_of(sources.resolve, str(altered), gguf.gguf_revision("0" * 64)) is PinCode.REVISION_MISMATCH
 
 
 @pytest.mark.parametrize("edit, code", [
@@ -124,7 +124,7 @@ def test_a_conversion_that_differs_here_is_refused_with_its_code(smollm2, tmp_pa
         f.write_text(f.read_text().replace("<|im_start|>assistant", "<|im_start|>bot"))
     monkeypatch.setenv("ASYNCRL_GGUF_CACHE", str(cache))
     with pytest.raises(PinError) as info:
-        pinning.locate(smollm2.pin)
+        sources.locate(smollm2.pin)
     assert info.value.code is code
     assert "conversion differs on this machine" in info.value.detail
 

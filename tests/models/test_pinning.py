@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.models import pinning
+from asyncrl.models import pinning, sources
 from asyncrl.models.pinning import PinCode, PinError
 from asyncrl.models.tinymodel import write_tiny_model
 
@@ -53,7 +53,7 @@ def test_a_pin_covers_weights_tokenizer_and_the_stop_set(tiny, instruct):
 
 def test_an_identical_copy_is_accepted(tiny, tmp_path):
     pin = pinning.pin_directory(tiny, name="t")
-    got = pinning.locate(pin, override=str(copy_of(tiny, tmp_path / "copy")))
+    got = sources.locate(pin, override=str(copy_of(tiny, tmp_path / "copy")))
     assert got.path == str(tmp_path / "copy")
 
 
@@ -67,7 +67,7 @@ def test_changed_weights_are_a_revision_mismatch(tiny, tmp_path):
     tensors[name] = tensors[name].clone()
     tensors[name].view(-1)[0] += 1e-3  # one weight nudged: "an edited local copy"
     save_file(tensors, str(other / "model.safetensors"), metadata={"format": "pt"})
-    assert code_of(pinning.locate, pin, override=str(other)) is PinCode.REVISION_MISMATCH
+    assert code_of(sources.locate, pin, override=str(other)) is PinCode.REVISION_MISMATCH
 
 
 def test_changed_generation_config_is_a_revision_mismatch(instruct, tmp_path):
@@ -76,7 +76,7 @@ def test_changed_generation_config_is_a_revision_mismatch(instruct, tmp_path):
     cfg = json.loads((other / "generation_config.json").read_text())
     cfg["eos_token_id"] = cfg["eos_token_id"][:1]  # a copy that stops on <|im_end|> only
     (other / "generation_config.json").write_text(json.dumps(cfg))
-    assert code_of(pinning.locate, pin, override=str(other)) is PinCode.REVISION_MISMATCH
+    assert code_of(sources.locate, pin, override=str(other)) is PinCode.REVISION_MISMATCH
 
 
 def test_changed_tokenizer_is_a_tokenizer_mismatch(tiny, tmp_path):
@@ -85,7 +85,7 @@ def test_changed_tokenizer_is_a_tokenizer_mismatch(tiny, tmp_path):
     tc = json.loads((other / "tokenizer_config.json").read_text())
     tc["model_max_length"] = 128
     (other / "tokenizer_config.json").write_text(json.dumps(tc))
-    assert code_of(pinning.locate, pin, override=str(other)) is PinCode.TOKENIZER_MISMATCH
+    assert code_of(sources.locate, pin, override=str(other)) is PinCode.TOKENIZER_MISMATCH
 
 
 def test_a_different_stop_set_is_refused_even_with_the_same_files(tiny):
@@ -96,32 +96,32 @@ def test_a_different_stop_set_is_refused_even_with_the_same_files(tiny):
 
 def test_unpinned_manifest_and_missing_copies(tiny, tmp_path):
     pin = pinning.pin_directory(tiny, name=str(tmp_path / "gone"))
-    assert code_of(pinning.locate, pinning.BasePin("m", "main", "", "", ()), override=str(tiny)) is PinCode.NOT_PINNED
-    assert code_of(pinning.locate, pin, override=str(tmp_path / "nowhere")) is PinCode.MODEL_UNAVAILABLE
+    assert code_of(sources.locate, pinning.BasePin("m", "main", "", "", ()), override=str(tiny)) is PinCode.NOT_PINNED
+    assert code_of(sources.locate, pin, override=str(tmp_path / "nowhere")) is PinCode.MODEL_UNAVAILABLE
     # a coordinator's local directory the volunteer has no copy of: "pass --model DIR"
-    assert code_of(pinning.locate, pin) is PinCode.MODEL_UNAVAILABLE
+    assert code_of(sources.locate, pin) is PinCode.MODEL_UNAVAILABLE
     (tmp_path / "empty").mkdir()
-    assert code_of(pinning.locate, pin, override=str(tmp_path / "empty")) is PinCode.NOT_PINNED
+    assert code_of(sources.locate, pin, override=str(tmp_path / "empty")) is PinCode.NOT_PINNED
 
 
 def test_local_directory_revision_in_the_config_is_checked(tiny):
     pin = pinning.pin_directory(tiny, name=str(tiny))
-    assert pinning.resolve(str(tiny), "main").pin == pin                 # a moving name: nothing to check
-    assert pinning.resolve(str(tiny), pin.revision).pin == pin           # the right content hash
-    assert code_of(pinning.resolve, str(tiny), "sha256:" + "0" * 64) is PinCode.REVISION_MISMATCH
+    assert sources.resolve(str(tiny), "main").pin == pin                 # a moving name: nothing to check
+    assert sources.resolve(str(tiny), pin.revision).pin == pin           # the right content hash
+    assert code_of(sources.resolve, str(tiny), "sha256:" + "0" * 64) is PinCode.REVISION_MISMATCH
 
 
 # ---- the hub path, offline: a Hugging Face cache laid out by hand, read by huggingface_hub itself ----------
 def test_hub_model_resolves_to_its_commit_sha_offline(tiny, hub_cache):  # noqa: F811
     sha = "3f" * 20
     fake_hub_cache(hub_cache, "acme/tiny-qwen2", tiny, sha)
-    got = pinning.resolve("acme/tiny-qwen2", "main", out=lambda s: None)
+    got = sources.resolve("acme/tiny-qwen2", "main", out=lambda s: None)
     assert got.pin.revision == sha and Path(got.path).name == sha     # "main" -> the immutable commit
     plain = pinning.pin_directory(tiny, name="x")
     # the cache's blob names stand in for hashing the weights, and give what a full hash of a copy gives
     assert got.pin.weights_sha256 == plain.weights_sha256 and got.pin.tokenizer_sha256 == plain.tokenizer_sha256
-    assert pinning.locate(got.pin).path == got.path                    # a volunteer: revision=sha, verified
+    assert sources.locate(got.pin).path == got.path                    # a volunteer: revision=sha, verified
     unknown = pinning.BasePin("acme/tiny-qwen2", "4e" * 20, got.pin.weights_sha256, got.pin.tokenizer_sha256,
                               got.pin.stop_token_ids)
-    assert code_of(pinning.locate, unknown) is PinCode.MODEL_UNAVAILABLE  # not cached, and offline
-    assert code_of(pinning.resolve, "acme/never-downloaded", "main", out=lambda s: None) is PinCode.MODEL_UNAVAILABLE
+    assert code_of(sources.locate, unknown) is PinCode.MODEL_UNAVAILABLE  # not cached, and offline
+    assert code_of(sources.resolve, "acme/never-downloaded", "main", out=lambda s: None) is PinCode.MODEL_UNAVAILABLE

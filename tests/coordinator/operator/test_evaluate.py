@@ -20,7 +20,7 @@ def run(tmp_path_factory):
     """A run directory: config.json with a reasoning_gym task and one checkpoint of a non-trivial adapter."""
     from asyncrl.coordinator.config import CoordinatorConfig
 
-    from .trained import trained_run
+    from tests.coordinator.trained import trained_run
 
     made = trained_run(tmp_path_factory.mktemp("eval"), LORA, b_scale=0.3)
     run_dir, model_dir = made["run"], made["model"]

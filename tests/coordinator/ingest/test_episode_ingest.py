@@ -17,8 +17,8 @@ from asyncrl.envs.source import episode_prompts
 from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.identity import Identity
 
-from ..envs.chat import qwen_style_tokenizer
-from ..envs.scripted import ScriptedPolicy
+from tests.envs.chat import qwen_style_tokenizer
+from tests.envs.scripted import ScriptedPolicy
 
 COORD = Identity.from_seed(bytes(range(32)))
 ALICE = Identity.from_seed(bytes(range(1, 33)))

@@ -168,7 +168,7 @@ def test_gradient_checkpointing_gives_the_same_gradient(tiny_path):
 def test_cuda_bf16_step(tiny_path):
     if not torch.cuda.is_available():
         pytest.skip("GPU test: torch sees no CUDA device here (torch.cuda.is_available() is False); "
-                    "run on a CUDA machine: pytest -m gpu tests/coordinator/test_microbatch.py")
+                    "run on a CUDA machine: pytest -m gpu tests/coordinator/learner/test_microbatch.py")
     cfg = LossConfig(beta=0.05)
     gpu = learner(tiny_path, cfg, device="cuda", dtype="auto", micro_batch_tokens=24, gradient_checkpointing=True)
     assert str(gpu.device).startswith("cuda") and gpu.dtype in (torch.bfloat16, torch.float16)

@@ -44,7 +44,7 @@ class RecordingUploader:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A run directory with one real checkpoint of a non-trivial adapter (random B, one optimizer step)."""
-    from .trained import trained_run
+    from tests.coordinator.trained import trained_run
 
     return trained_run(tmp_path_factory.mktemp("export"), LORA)
 

@@ -6,7 +6,7 @@ from asyncrl.coordinator.ingest.receipts import ReceiptDesk
 from asyncrl.protocol import receipts
 from asyncrl.protocol.identity import fingerprint
 
-from tests.coordinator.test_ingest_trust import ALICE, COORD, MALLORY, make_ingest, sealed_batch, tokenizer  # noqa: F401 (fixture)
+from tests.coordinator.ingest.test_ingest_trust import ALICE, COORD, MALLORY, make_ingest, sealed_batch, tokenizer  # noqa: F401 (fixture)
 
 
 def test_acks_carry_receipts_with_running_totals(tokenizer, tmp_path):

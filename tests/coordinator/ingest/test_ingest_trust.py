@@ -17,7 +17,7 @@ from asyncrl.models import tinymodel
 from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.identity import Identity
 
-from . import rollouts
+from tests.coordinator import rollouts
 
 COORD = Identity.from_seed(bytes(range(32)))
 ALICE = Identity.from_seed(bytes(range(1, 33)))

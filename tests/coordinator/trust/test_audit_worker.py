@@ -22,7 +22,7 @@ from asyncrl.models import tinymodel
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import Identity
 
-from .test_ingest_commit import ALICE, COORD, SAMPLING, Clock, sealed
+from tests.coordinator.ingest.test_ingest_commit import ALICE, COORD, SAMPLING, Clock, sealed
 
 MALLORY = Identity.from_seed(bytes(range(2, 34)))
 GATE_GUARD_S = 60.0  # only a hang guard: a gate still closed this long means the test already failed

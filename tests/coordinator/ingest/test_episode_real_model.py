@@ -20,7 +20,7 @@ from asyncrl.protocol import envelope, messages
 from asyncrl.protocol.identity import Identity
 from asyncrl.tasks.sources import encode_prompt
 
-from ..envs.scripted import ScriptedPolicy
+from tests.envs.scripted import ScriptedPolicy
 
 COORD = Identity.from_seed(bytes(range(32)))
 ALICE = Identity.from_seed(bytes(range(1, 33)))
@@ -66,7 +66,7 @@ class Scripted:
         self.tokenizer, self.stop_token_ids, self.policy = tok, stops, ScriptedPolicy(tok, turns)
 
     def generate(self, prompts, group_size, sampling):
-        from asyncrl.client.engine import Sample
+        from asyncrl.client.engine_api import Sample
 
         return [[Sample(ids, lps, "stop")] for ids, lps in self.policy(prompts, [sampling.max_new_tokens] * len(prompts))]
 

@@ -20,7 +20,6 @@ instructions and is slow.
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import pytest
 import torch
@@ -72,15 +71,23 @@ def seed_adapter(model, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
 
 
-@pytest.fixture(scope="module")
-def coordinator(smollm2, tmp_path_factory):
+@dataclasses.dataclass
+class RealCoordinator:
+    cfg: object  # CoordinatorConfig as the coordinator resolves it for `--model smollm2-135m-instruct`
+    lora: messages.LoraSpec
+    learner: object
+    published: dict[int, tuple]  # version -> (specs, blobs) in the published dtype
+    prompts: list[list[int]]     # chat-templated QUESTIONS
+    sampling: messages.SamplingParams
+
+
+def build_coordinator(model_path: str, run_dir) -> RealCoordinator:
     """The coordinator's config, learner and published versions v0 (zero), v1..v3 (seeded); learner at v3."""
     torch.set_num_threads(1)
-    run_dir = tmp_path_factory.mktemp("real-audit")
     cfg = resolve_config({"model": "smollm2-135m-instruct", "run_dir": str(run_dir)})
     lora = messages.LoraSpec(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                              target_modules=tuple(cfg.lora_targets))
-    learner = make_learner(smollm2.path, lora, **cfg.learner_kwargs())
+    learner = make_learner(model_path, lora, **cfg.learner_kwargs())
     published = {}
     for version, seed in ((0, None), (1, 1), (2, 2), (3, 3)):
         if seed is not None:
@@ -90,8 +97,13 @@ def coordinator(smollm2, tmp_path_factory):
     tok = learner.tokenizer
     prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True),
                    add_special_tokens=False)["input_ids"] for q in QUESTIONS]
-    sampling = messages.SamplingParams(temperature=cfg.temperature, max_new_tokens=NEW_TOKENS)
-    return cfg, lora, learner, published, prompts, sampling
+    return RealCoordinator(cfg, lora, learner, published, prompts,
+                           messages.SamplingParams(temperature=cfg.temperature, max_new_tokens=NEW_TOKENS))
+
+
+@pytest.fixture(scope="module")
+def coordinator(smollm2, tmp_path_factory) -> RealCoordinator:
+    return build_coordinator(smollm2.path, tmp_path_factory.mktemp("real-audit"))
 
 
 def audited(auditor, batches: dict[bytes, tuple[int, list[TrainGroup]]], kind: str, dtype: str) -> Books:
@@ -130,22 +142,38 @@ def claiming(groups, version: int) -> list[TrainGroup]:
     return [dataclasses.replace(g, version=version) for g in groups]
 
 
-def check_engine_class(coordinator, honest_groups: list[TrainGroup], kind: str, dtype: str) -> None:
+class JudgedStats:
+    """The policy's verdicts in order, with each batch's statistic and the tolerance it was judged at."""
+
+    def __init__(self, policy):
+        self.seen: list[tuple[float, float, bool, bool]] = []  # stat, tolerance, ok, strike
+        judge = policy.judge
+
+        def recording(key, stat, *args, **kwargs):
+            j = judge(key, stat, *args, **kwargs)
+            self.seen.append((stat, j.tolerance, j.ok, j.strike))
+            return j
+        policy.judge = recording
+
+
+def check_engine_class(coordinator: RealCoordinator, honest_groups: list[TrainGroup], kind: str, dtype: str,
+                       *, fabricated_struck_at_once: bool = True) -> JudgedStats:
     """The must-show for one engine class (its batches sampled with v1, one batch per prompt): with the
     coordinator's policy, the honest batches all pass — the first ones while the class learns (at its dtype's
     ceiling), the last at the tolerance it learned — and the last batch with fabricated log-probs, or claiming
     v2, is rejected (LOGPROB_MISMATCH; fabricated numbers strike at once)."""
-    cfg, lora, learner, published, prompts, sampling = coordinator
+    cfg, learner = coordinator.cfg, coordinator.learner
     assert len(honest_groups) == LEARN_FROM + 1
     honest = [[g] for g in honest_groups]
     batches = {f"honest-{i}".encode(): (1, groups) for i, groups in enumerate(honest)}
     batches[b"fabricated"] = (1, fabricated(honest[-1]))
     batches[b"wrong-version"] = (2, claiming(honest[-1], 2))  # sampled with v1, claims v2
     auditor = Auditor.from_config(dataclasses.replace(cfg, audit_learn_batches=LEARN_FROM), learner)
-    for version, (specs, blobs) in published.items():
+    for version, (specs, blobs) in coordinator.published.items():
         auditor.remember_published(version, specs, blobs, learner.steps)
     policy = auditor.policy
     ceiling = policy.tolerance(dtype, kind)  # what a class that is still learning is judged by
+    judged = JudgedStats(policy)
 
     books = audited(auditor, batches, kind, dtype)
 
@@ -157,14 +185,15 @@ def check_engine_class(coordinator, honest_groups: list[TrainGroup], kind: str, 
     # struck at once
     assert {k: code for k, (code, _) in books.dropped.items()} == {
         b"fabricated": RejectCode.LOGPROB_MISMATCH, b"wrong-version": RejectCode.LOGPROB_MISMATCH}
-    assert books.dropped[b"fabricated"][1] and auditor.stats["failed"] == 2
+    assert auditor.stats["failed"] == 2, judged.seen
+    assert books.dropped[b"fabricated"][1] == fabricated_struck_at_once, judged.seen
+    return judged
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_honest_real_weights_batches_pass_and_forged_ones_are_caught(coordinator, smollm2, dtype):
     """transformers+peft engines, as `asyncrl-client join --engine transformers` runs them."""
-    cfg, lora, learner, published, prompts, sampling = coordinator
-    engine = TransformersEngine(smollm2.path, lora, dtype=dtype, seed=3)
-    engine.load_adapter(1, *published[1])
-    check_engine_class(coordinator, generate(engine, prompts, sampling, version=1), engine_kind(engine),
-                       engine_dtype(engine))
+    engine = TransformersEngine(smollm2.path, coordinator.lora, dtype=dtype, seed=3)
+    engine.load_adapter(1, *coordinator.published[1])
+    honest = generate(engine, coordinator.prompts, coordinator.sampling, version=1)
+    check_engine_class(coordinator, honest, engine_kind(engine), engine_dtype(engine))
