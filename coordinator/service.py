@@ -68,7 +68,7 @@ from . import checkpoint
 from .base_model import resolve_model
 from .config import CoordinatorConfig
 from .ingest.episodes import environment_pin, replay_metrics
-from .ingest.ingest import Ingest
+from .ingest.ingest import Ingest, IngestBooks
 from .ingest.journal import IngestJournal
 from .ingest.receipts import ReceiptDesk
 from .learner.ddp import make_learner
@@ -459,7 +459,7 @@ class Coordinator:
             waited = 0.0
             for signer, used in fresh:
                 self.trained_by[signer] = self.trained_by.get(signer, 0) + used
-            self.auditor.stats["learner_seconds"] += result.seconds  # the audit's cost is reported against this
+            self.auditor.learner_stepped(result.seconds)  # the audit's cost is reported against this
             self.log.write("step", step=self.learner.steps, version=self.learner.version, loss=result.loss,
                            reward_mean=result.reward_mean, groups=result.groups_used, dropped_stale=stale_dropped,
                            staleness=result.staleness, clip_fraction=result.clip_fraction,
@@ -477,7 +477,7 @@ class Coordinator:
                                seconds=self.checkpoints.seconds)
             if self.learner.steps % 10 == 0:
                 self.out(f"step {self.learner.steps:4d}  v{self.learner.version:<4d} reward {result.reward_mean:.3f}  "
-                         f"loss {result.loss:+.4f}  groups {result.groups_used}  clients {len(self.ingest.clients)}")
+                         f"loss {result.loss:+.4f}  groups {result.groups_used}  clients {self.ingest.clients_known()}")
         if not self.stop.is_set():  # max_steps reached or `asyncrl-coordinator finish`: over for good
             self._finish("max_steps" if cfg.max_steps and self.learner.steps >= cfg.max_steps else "finish requested")
         if self.checkpoints.final():  # max_steps reached, or SIGTERM/SIGINT set self.stop
@@ -520,26 +520,21 @@ class Coordinator:
     def summary(self) -> dict:
         final = self.learner.lora_parameters()
         delta = sum(float((final[k] - self.initial_lora[k]).float().norm() ** 2) for k in final) ** 0.5
-        with self.ingest.lock:
-            accepted = self.ingest.accepted_total
-            clients = {st.name: st.accepted for st in self.ingest.clients.values() if st.accepted}
-            rejected = {st.name: dict(st.rejected) for st in self.ingest.clients.values() if st.rejected}
-            reward_first, reward_last = self.ingest.rewards.mean_of(first=True), self.ingest.rewards.mean_of(first=False)
-            unscorable = self.ingest.unscorable_groups
+        books = self.ingest.books()
         summary = {
             "run_id": self.cfg.run_id,
             "finished": self.run_end.finished,  # over for good (max_steps / finish); False after Ctrl-C (resumable)
             "trainer_steps": self.learner.steps,
             "adapter_versions_published": self.publish_worker.published,  # by this process (superseded: not)
             "publisher": self.publish_worker.stats(),
-            "batches_accepted": accepted,
-            "batches_by_client": clients,
+            "batches_accepted": books.accepted_total,
+            "batches_by_client": {c["name"]: c["accepted"] for c in books.clients if c["accepted"]},
             "receipts": self.receipts.summary(),  # per volunteer fingerprint: what its signed receipts add up to
-            "contributors": self.contributors(),  # the dashboard's contributors table
-            "rejected_by_client": rejected,
-            "groups_unscorable": unscorable,
-            "reward_first": reward_first,  # mean batch reward over the first / last 10 % of accepted batches
-            "reward_last": reward_last,
+            "contributors": self.contributors(books),  # the dashboard's contributors table
+            "rejected_by_client": {c["name"]: c["rejected"] for c in books.clients if c["rejected"]},
+            "groups_unscorable": books.unscorable_groups,
+            "reward_first": books.reward_first,  # mean batch reward over the first / last 10 % of accepted batches
+            "reward_last": books.reward_last,
             "lora_delta_norm": delta,
             **self._lease_books(),
             "task": dataclasses.asdict(self.task_report) if getattr(self, "task_report", None) else None,
@@ -568,13 +563,12 @@ class Coordinator:
             return {"leases": self.board.counts(), "leases_balanced": self.board.balanced(self.ingest.queued_groups),
                     "retired_prompts": self.board.retired_prompt_ids()}
 
-    def contributors(self) -> list[dict]:
+    def contributors(self, books: IngestBooks | None = None) -> list[dict]:
         """Who contributed what, publishable (names and key fingerprints, no addresses): accepted batches and
         tokens as their signed receipts say (coordinator/ingest/receipts.py), and each one's share of the groups
         the learner trained on in this process."""
         receipted = self.receipts.summary()
-        with self.ingest.lock:
-            names = {fp: st.name for fp, st in self.ingest.clients.items()}
+        names = {c["fingerprint"]: c["name"] for c in (books or self.ingest.books()).clients}
         trained = dict(self.trained_by)
         total = sum(trained.values())
         rows = [{"name": names.get(fp, fp), "fingerprint": fp, "accepted_batches": r["batches"],
@@ -584,15 +578,14 @@ class Coordinator:
 
     def snapshot(self) -> dict:
         """Read-only status for the dashboard, /metrics and `asyncrl-coordinator status`; no secrets."""
-        with self.ingest.lock:
-            clients = [dataclasses.asdict(st) for st in self.ingest.clients.values()]
-            queued = self.ingest.queued_groups
+        books = self.ingest.books()
         identity = {"fingerprint": self.identity.fingerprint, "peer_id": self.identity.peer_id,
                     "join_address": getattr(self, "join_address", None), "model": self.base_model}
         worker = getattr(self, "publish_worker", None)
-        return self.telemetry.snapshot_part(version=self.learner.version, steps=self.learner.steps, clients=clients,
-                                            leases=self.board.counts(), queued_groups=queued, identity=identity,
-                                            presence=self.presence(), contributors=self.contributors(),
+        return self.telemetry.snapshot_part(version=self.learner.version, steps=self.learner.steps,
+                                            clients=books.clients, leases=self.board.counts(),
+                                            queued_groups=books.queued_groups, identity=identity,
+                                            presence=self.presence(), contributors=self.contributors(books),
                                             publisher=worker.stats() if worker is not None else None,
                                             waiting=self.quorum.status(), audit=self._audit_snapshot(),
                                             completions=self.completion_log.latest() if hasattr(self, "completion_log") else [],

@@ -47,7 +47,7 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import msgspec
 import numpy as np
@@ -64,7 +64,7 @@ from ..trust.access import IDENTITY_STRIKES, IDENTITY_SUSPICIONS
 from .episodes import is_episode_lease, rescore_episode_group
 from .ingest_books import AcceptedRecord, ClientStats, ClientTable, RewardTrace, SeenIds
 
-__all__ = ["Ingest", "AcceptedBatch", "ClientStats", "REWARD_TOLERANCE"]
+__all__ = ["Ingest", "AcceptedBatch", "ClientStats", "IngestBooks", "REWARD_TOLERANCE"]
 
 REWARD_TOLERANCE = 1e-6
 ACCEPTED_LOG = 4096  # newest accepted-batch records kept for the learner loop's `batch` events
@@ -90,6 +90,17 @@ class AcceptedBatch:
     signer_key: bytes = b""  # the raw key (a journal replay re-registers a pending train-time audit)
     engine_dtype: str = ""   # what the batch said its engine computed in (the audit's tolerance) ...
     engine_kind: str = ""    # ... and which engine (the audit learns a tolerance per kind x dtype)
+
+
+@dataclass(frozen=True)
+class IngestBooks:
+    """Ingest's books at one instant (`Ingest.books`): copies, read without ingest's lock."""
+    accepted_total: int  # batches ever accepted
+    queued_groups: int  # accepted, not yet taken by the learner
+    unscorable_groups: int  # dropped because our reward check could not finish (no blame)
+    reward_first: float  # mean batch reward over the first / last 10 % of accepted batches
+    reward_last: float
+    clients: list[dict]  # each known key's ClientStats as a dict, least recently seen first
 
 
 @dataclass
@@ -169,6 +180,20 @@ class Ingest:
         """Groups accepted and not yet taken by the learner."""
         with self.lock:
             return self.queued_groups
+
+    def books(self) -> IngestBooks:
+        """One consistent read of the books: the run summary, the contributors table, the dashboard."""
+        with self.lock:
+            return IngestBooks(accepted_total=self.accepted_total, queued_groups=self.queued_groups,
+                               unscorable_groups=self.unscorable_groups,
+                               reward_first=self.rewards.mean_of(first=True),
+                               reward_last=self.rewards.mean_of(first=False),
+                               clients=[asdict(st) for st in self.clients.values()])
+
+    def clients_known(self) -> int:
+        """How many volunteer keys the books hold (bounded: coordinator/ingest/ingest_books.py ClientTable)."""
+        with self.lock:
+            return len(self.clients)
 
     def accepted_since(self, seq: int) -> list[AcceptedRecord]:
         """Accepted-batch records numbered >= seq that are still kept (the newest ACCEPTED_LOG)."""

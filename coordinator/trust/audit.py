@@ -559,6 +559,10 @@ class Auditor:
                                      version=-1, temperature=temperature))
         return groups
 
+    def learner_stepped(self, seconds: float) -> None:
+        """The learner took a step of `seconds` (its thread): status() reports the audit's cost against them."""
+        self.stats["learner_seconds"] += seconds
+
     def engines_status(self) -> dict[str, dict]:
         """Per engine class, its tolerance and whether it is still learning (audit_policy.py)."""
         return self.policy.engines_status()

@@ -198,3 +198,15 @@ def test_a_copy_being_verified_is_asked_to_wait(tokenizer, tmp_path):
     assert ingest.handle(data).code == "RATE_LIMITED"
     ingest._inflight.clear()
     assert ingest.handle(envelope.seal(ALICE, "rollout_batch", opened.payload, audience=COORD.public_key)).accepted
+
+
+def test_the_books_are_one_read_that_later_batches_do_not_change(tokenizer, tmp_path):
+    ingest, board, _, _ = make(tokenizer, tmp_path)
+    assert ingest.handle(sealed(ingest, tokenizer, board.lease(ALICE.public_key, 2))).accepted
+    books = ingest.books()
+    assert books.accepted_total == 1 and books.queued_groups == 2 and ingest.clients_known() == 1
+    assert [(c["fingerprint"], c["accepted"]) for c in books.clients] == [(ALICE.fingerprint, 1)]
+    assert ingest.handle(sealed(ingest, tokenizer, board.lease(ALICE.public_key, 1))).accepted
+    assert books.accepted_total == 1 and books.clients[0]["accepted"] == 1  # a copy, not a view of the books
+    now = ingest.books()
+    assert now.accepted_total == 2 and now.queued_groups == 3 and now.clients[0]["accepted"] == 2

@@ -340,3 +340,21 @@ def test_an_honest_top_p_batch_passes_and_fabricated_ones_are_rejected(setup):
         with pytest.raises(ProtocolError) as e:
             auditor.check(b"s", name, v, groups, valid_streak=0, current_version=v + 1)
         assert e.value.code is RejectCode.LOGPROB_MISMATCH
+
+
+def test_the_audit_cost_is_reported_against_the_learners_time(setup):
+    """The learner loop tells the auditor how long each step took; status() divides the audit's own time by it."""
+    learner, _, engine, _, _ = setup
+    own = Auditor(learner, tolerance=0.01, keep_versions=2)  # books of its own
+    assert own.status()["cost_fraction_of_learner"] is None  # no learner step yet
+    specs, blobs = export_lora(learner.model, "bf16")
+    v = 6000 + learner.version
+    engine.load_adapter(v, specs, blobs)
+    own.remember_published(v, specs, blobs, learner.steps)
+    assert own.check(b"s", b"c", v, honest_groups(learner, engine, seed=22), valid_streak=0,
+                     current_version=v + 1) == "passed"
+    own.learner_stepped(1.5)
+    own.learner_stepped(2.5)
+    s = own.status()
+    assert s["learner_seconds"] == 4.0 and s["seconds_ingest"] > 0
+    assert s["cost_fraction_of_learner"] == pytest.approx((s["seconds_ingest"] + s["seconds_train"]) / 4.0)
