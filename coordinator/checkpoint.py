@@ -361,8 +361,7 @@ def restore_learner(ckpt: Checkpoint, learner) -> None:
     if ckpt.meta.get("scheduler") is not None and getattr(learner, "scheduler", None) is not None:
         learner.scheduler.load_state_dict(ckpt.meta["scheduler"])
     _set_rng_state(ckpt.meta["rng"], ckpt.tensors("rng"))
-    learner.steps = int(ckpt.meta["learner_steps"])
-    learner.version = int(ckpt.meta["version"])
+    learner.resume_at(int(ckpt.meta["learner_steps"]), int(ckpt.meta["version"]))
 
 
 def restore(ckpt: Checkpoint, *, learner, board, ingest, journal, run_dir: Path, auditor=None) -> dict:
@@ -408,7 +407,8 @@ def restore(ckpt: Checkpoint, *, learner, board, ingest, journal, run_dir: Path,
         replayed += 1
     journal.discard_trained(trained)
     published = last_published(run_dir)
-    learner.version = max(learner.version, published if published is not None else -1) + 1
+    # the next version is numbered above every one ever published: no number names two different adapters
+    learner.resume_at(learner.steps, max(learner.version, published if published is not None else -1) + 1)
     return {"from_step": learner.steps, "checkpoint": ckpt.path.name, "version": learner.version,
             "replayed_batches": replayed, "settled_after_checkpoint": settled,
             "audits_pending_replayed": audits_pending, "audit_versions_reloaded": reloaded,

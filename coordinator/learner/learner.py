@@ -213,6 +213,10 @@ class Learner:
         self.version += 1
         return self.version
 
+    def resume_at(self, steps: int, version: int) -> None:
+        """A resumed run's position (coordinator/checkpoint.py): `steps` taken, adapter `version` held."""
+        self.steps, self.version = steps, version
+
     def lora_parameters(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
 
