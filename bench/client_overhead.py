@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -106,7 +107,11 @@ def measure(args, address: str, work: Path) -> dict:
         wall = time.perf_counter() - t0
         return wall, vol.status.batches_acked - before, (vol.status.engine_busy_s - busy_before) / wall
 
-    per_round = max(1, args.batches // args.rounds)
+    # A round must be long against what each `run()` costs once (its first lease is not fetched ahead, its last
+    # batch's upload and ack end it): at least `--min-round-s` of bare generation, so the figures are the
+    # steady state a volunteer runs in for hours, not the start and stop of a 2-second round.
+    one_batch_s = bare(2) / 2
+    per_round = max(1, args.batches // args.rounds, math.ceil(args.min_round_s / one_batch_s))
     rows = {"pipelined": {"ratio": [], "engine_busy_fraction": [], "rollouts_per_s": []},
             "serial": {"ratio": [], "engine_busy_fraction": [], "rollouts_per_s": []}}
     bare_rps = []
@@ -128,7 +133,7 @@ def measure(args, address: str, work: Path) -> dict:
             **{loop: {k: spread(v) for k, v in cols.items()} for loop, cols in rows.items()},
             "ratio": statistics.fmean(rows["pipelined"]["ratio"]),
             "engine_busy_fraction": statistics.fmean(rows["pipelined"]["engine_busy_fraction"]),
-            "batches_per_round": per_round, "rounds": args.rounds, "prompts_per_batch": args.prompts,
+            "batches_per_round": per_round, "min_round_s": args.min_round_s, "rounds": args.rounds, "prompts_per_batch": args.prompts,
             "group_size": group, "max_new_tokens": sampling.max_new_tokens, "rejected": vol.status.batches_rejected}
 
 
@@ -155,6 +160,9 @@ def main() -> int:
     p.add_argument("--group-size", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3, help="bare/pipelined/serial rounds, interleaved")
+    p.add_argument("--min-round-s", type=float, default=20.0,
+                   help="each loop's round holds at least this many seconds of bare generation (more batches "
+                        "when the engine is fast), so a run's one-off start and stop costs stay small")
     p.add_argument("--wan", action="store_true", help="coordinator and volunteer in network namespaces over a WAN link")
     p.add_argument("--json-out", default=None)
     p.add_argument("--_coordinator", default=None, help=argparse.SUPPRESS)
@@ -197,6 +205,7 @@ def main() -> int:
         out = work / "client.json"
         client = subprocess.run([*in_ns("vol"), sys.executable, __file__, "--_client", address, "--json-out", str(out),
                                  "--engine", args.engine, "--batches", str(args.batches), "--rounds", str(args.rounds),
+                                 "--min-round-s", str(args.min_round_s),
                                  *(["--wan"] if args.wan else []), *common], env=env)
         if client.returncode != 0:
             raise SystemExit(f"the measuring client failed (rc {client.returncode}); logs in {work}")
