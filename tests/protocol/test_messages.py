@@ -9,7 +9,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from asyncrl.protocol import limits
+from asyncrl.protocol import limits, messages
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.messages import (
     SCHEMA_VERSION,
@@ -444,3 +444,29 @@ def test_schema_2_fields_default_and_round_trip():
     assert decode_rollout_batch(encode(batch(engine_kind="vllm")), max_bytes=BIG).engine_kind == "vllm"
     for bad in ("VLLM", "v" * 33, "vllm\n", "vllm/bf16"):  # the coordinator's keys stay short and plain
         assert code_of(decode_rollout_batch, encode(batch(engine_kind=bad)), max_bytes=BIG) is RejectCode.MALFORMED
+
+
+@pytest.mark.parametrize("where", ["schema", "groups"])
+def test_a_list_bomb_is_refused_on_its_header_without_building_it(where):
+    """A signed batch's payload whose `schema` or `groups` is 2 million empty lists (~2 MB of msgpack that
+    would become 2M Python objects, ~123 MiB) is refused MALFORMED while allocating almost nothing: the
+    typed decoder rejects it on its array header or first element (tests/adversarial/test_budgets.py sends
+    the same bomb to a live coordinator)."""
+    import tracemalloc
+
+    raw = msgspec.to_builtins(messages.RolloutBatch(
+        run_id="r", adapter_version=0, client_name="m", groups=(), generated_at=1.0,
+        sampling=messages.SamplingParams(temperature=1.0, max_new_tokens=8)))
+    raw[where] = [[]] * 2_000_000
+    data = msgspec.msgpack.encode(raw)
+    del raw
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        with pytest.raises(ProtocolError) as exc:
+            messages.decode_rollout_batch(data, max_bytes=64 << 20)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert exc.value.code == RejectCode.MALFORMED
+    assert peak < 1 << 20, peak  # built, the bomb's lists alone take 2M x 56 bytes
