@@ -1,13 +1,16 @@
 """What asyncrl uses of hivemind's private API, in one place, checked against hivemind==1.1.12 (pyproject pins it).
 
 hivemind's public API has no way to (a) connect to a peer at a given address (p2pd's control client has it:
-`P2P._client.connect`), (b) pass p2pd a flag hivemind does not expose (`P2P._make_process_args`), or
-(c) choose the accept backlog of the unix socket p2pd hands inbound streams to (`ControlClient.listen`).
+`P2P._client.connect`), (b) pass p2pd a flag hivemind does not expose (`P2P._make_process_args`),
+(c) choose the accept backlog of the unix socket p2pd hands inbound streams to (`ControlClient.listen`), or
+(d) recover MPFuture's process-shared update lock from a DHT process killed while it held it
+(`MPFuture._update_lock`).
 Everything else in swarm/ goes through hivemind's public names. A hivemind upgrade re-checks exactly this
 file: `tests/transport/test_hivemind_private.py` fails when a name used here is gone.
 
     connect(p2p, peer, addrs)   dial `peer` at `addrs` (multiaddrs) through p2pd
     apply_patches()             the two process-wide patches below, once, before any p2pd starts
+    free_orphaned_update_lock() after a DHT process died by a signal: the lock it may have died holding
 """
 
 from __future__ import annotations
@@ -21,6 +24,29 @@ HIVEMIND_VERSION_CHECKED = "1.1.12"
 async def connect(p2p, peer, addrs) -> None:
     """Open a libp2p connection to `peer` (a hivemind PeerID) at `addrs` (Multiaddr list) via p2pd."""
     await p2p._client.connect(peer, addrs)
+
+
+ORPHAN_WAIT_S = 5.0  # a live holder keeps the lock for one pipe write (microseconds; a loaded machine: far below this)
+
+
+def free_orphaned_update_lock(wait_s: float = ORPHAN_WAIT_S) -> bool:
+    """Release MPFuture's update lock if nobody releases it within `wait_s`; True when it had to.
+
+    hivemind's MPFuture serialises every cross-process result with ONE `multiprocessing.Lock` created at import
+    and shared by this process and every process forked from it (its DHT processes). A DHT process killed while
+    it held that lock (hivemind's own `DHT.shutdown` terminates one that missed its grace period; SwarmNode
+    kills one that ignores SIGTERM) leaves it held for good, and from then on every DHT this process starts
+    hangs before it is ready (its "ready" result cannot be sent): a fresh-clone CI run under two CPU hogs hung
+    in `hivemind.DHT(...)` that way, test after test. Call this only after such a kill, when the process is dead:
+    a lock still held `wait_s` later belonged to it (a live holder writes one message and lets go)."""
+    from hivemind.utils.mpfuture import MPFuture
+
+    lock = MPFuture._update_lock
+    if lock.acquire(timeout=wait_s):
+        lock.release()
+        return False
+    lock.release()  # a multiprocessing.Lock may be released by any process; its dead holder never will
+    return True
 
 
 def apply_patches() -> None:

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -41,6 +43,10 @@ logger = logging.getLogger(__name__)
 HEADER = 8
 DHT_STORE_TIMEOUT_S = 60.0
 DHT_GET_TIMEOUT_S = 30.0
+DHT_SHUTDOWN_GRACE_S = 10.0
+"""How long a DHT process gets to stop by itself before hivemind terminates it (hivemind's default, 3 s, is short
+on a loaded machine, and a process killed mid-message can leave hivemind's shared MPFuture lock held:
+SwarmNode.shutdown)."""
 STATUS_OK, STATUS_ERR = 0, 1
 Handler = Callable[[bytes, str], Awaitable[bytes]]
 
@@ -278,7 +284,8 @@ class SwarmNode:
         # remote multiaddr: a relayed one ends in /p2p-circuit): peer id -> {address: streams}. Evidence of the
         # path a fetch took (tests/integration/test_nat.py); bounded by CALL_PATHS_MAX_PEERS.
         self.call_paths: dict[str, dict[str, int]] = {}
-        self.dht = hivemind.DHT(initial_peers=list(initial_peers) or None, start=True, **kwargs)
+        self.dht = hivemind.DHT(initial_peers=list(initial_peers) or None, start=True,
+                                shutdown_timeout=DHT_SHUTDOWN_GRACE_S, **kwargs)
         self.loops = LoopThread()
         self.p2p = self.loops.run(self.dht.replicate_p2p(), timeout=start_timeout)
         self.peer_id = self.p2p.peer_id.to_base58()
@@ -470,16 +477,16 @@ class SwarmNode:
             pass
         self.loops.stop()
         self.executor.shutdown()
-        self.dht.shutdown()
+        self.dht.shutdown()  # asks it to stop; after DHT_SHUTDOWN_GRACE_S hivemind terminates it
         # The DHT process was forked after our SIGTERM handler was installed, so it inherited it and the
         # SIGTERM of hivemind's hard shutdown only sets a flag there; without this, interpreter exit would
         # wait forever to join it (e.g. after the whole process group got SIGTERM and p2pd died first).
         if self.dht.is_alive():
-            import os
-            import signal
-
             try:
                 os.kill(self.dht.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             self.dht.join(5)
+        if (self.dht.exitcode or 0) < 0 and hivemind_private.free_orphaned_update_lock():
+            # killed by a signal while it held MPFuture's shared lock: every later DHT of ours would hang
+            logger.warning("a DHT process was killed holding hivemind's MPFuture update lock; released it")
