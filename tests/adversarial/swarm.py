@@ -164,6 +164,13 @@ class Swarm:
         return sum(self.status(name).get("batches_acked", 0) for name in self.honest)
 
 
+def sealed_request(swarm: Swarm, ident: Identity, n: int = 0, **fields) -> bytes:
+    """A lease request for `n` prompts signed by `ident` for the swarm's coordinator (`fields`: unscorable=...,
+    renew=...)."""
+    req = messages.LeaseRequest(run_id=RUN_ID, max_prompts=n, adapter_version=0, client_name="mallory", **fields)
+    return envelope.seal(ident, "lease_request", messages.encode(req), audience=swarm.coordinator_key)
+
+
 class Mallory:
     """An attacker with real tools: her own swarm node, the real adapter follower, a real engine."""
 
@@ -565,5 +572,5 @@ def sha(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
 
-__all__ = ["Swarm", "Mallory", "AttackRecord", "RUN_ID", "COORDINATOR_FLAGS", "batch_id_of", "corrupt",
+__all__ = ["Swarm", "Mallory", "sealed_request", "AttackRecord", "RUN_ID", "COORDINATOR_FLAGS", "batch_id_of", "corrupt",
            "replace_completions", "completion", "write_artifact", "wait_for", "fingerprint", "sha"]

@@ -23,14 +23,14 @@ from collections import Counter
 import pytest
 
 from asyncrl.client.lease_keeper import LeaseKeeper
-from asyncrl.protocol import envelope, messages, receipts
+from asyncrl.protocol import messages, receipts
 from asyncrl.protocol.errors import ProtocolError, RejectCode
 from asyncrl.protocol.identity import Identity
 from asyncrl.runlog import read_events
 from asyncrl.swarm import streams
 from asyncrl.swarm.streams import stream_name
 
-from tests.adversarial.swarm import RUN_ID, wait_for
+from tests.adversarial.swarm import RUN_ID, sealed_request, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -162,11 +162,6 @@ def code_of(fn, ok: str) -> str:
         return ok
     except ProtocolError as exc:
         return exc.code.value
-
-
-def sealed_request(swarm, ident: Identity, n: int = 0, **fields) -> bytes:
-    req = messages.LeaseRequest(run_id=RUN_ID, max_prompts=n, adapter_version=0, client_name="mallory", **fields)
-    return envelope.seal(ident, "lease_request", messages.encode(req), audience=swarm.coordinator_key)
 
 
 def figures(w: dict) -> str:
