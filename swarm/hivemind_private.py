@@ -36,9 +36,9 @@ def free_orphaned_update_lock(wait_s: float = ORPHAN_WAIT_S) -> bool:
     and shared by this process and every process forked from it (its DHT processes). A DHT process killed while
     it held that lock (hivemind's own `DHT.shutdown` terminates one that missed its grace period; SwarmNode
     kills one that ignores SIGTERM) leaves it held for good, and from then on every DHT this process starts
-    hangs before it is ready (its "ready" result cannot be sent): a fresh-clone CI run under two CPU hogs hung
-    in `hivemind.DHT(...)` that way, test after test. Call this only after such a kill, when the process is dead:
-    a lock still held `wait_s` later belonged to it (a live holder writes one message and lets go)."""
+    hangs in `hivemind.DHT(...)` before it is ready (its "ready" result cannot be sent). Call this only after
+    such a kill, when the process is dead: a lock still held `wait_s` later belonged to it (a live holder
+    writes one message and lets go)."""
     from hivemind.utils.mpfuture import MPFuture
 
     lock = MPFuture._update_lock
