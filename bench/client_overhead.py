@@ -101,14 +101,12 @@ def measure(args, address: str, work: Path) -> dict:
     sampling, group = leases[0].sampling, leases[0].group_size
     per_batch = args.prompts * group
 
-    bare_tokens = [0]  # completion tokens the bare engine generated (a real model stops at EOS: lengths vary)
-
-    def bare(n: int) -> float:
-        t0 = time.perf_counter()
+    def bare(n: int) -> tuple[float, int]:
+        """Seconds and completion tokens of `n` back-to-back generations (a real model stops at EOS: lengths vary)."""
+        t0, tokens = time.perf_counter(), 0
         for _ in range(n):
-            bare_tokens[0] += sum(len(x.token_ids) for samples in engine.generate(prompts, group, sampling)
-                                  for x in samples)
-        return time.perf_counter() - t0
+            tokens += sum(len(x.token_ids) for samples in engine.generate(prompts, group, sampling) for x in samples)
+        return time.perf_counter() - t0, tokens
 
     def client(n: int, pipelined: bool) -> tuple[float, int, float, int]:
         before, busy_before, tokens_before = vol.status.batches_acked, vol.status.engine_busy_s, vol.status.tokens
@@ -123,15 +121,14 @@ def measure(args, address: str, work: Path) -> dict:
     # A round must be long against what each `run()` costs once (its first lease is not fetched ahead, its last
     # batch's upload and ack end it): at least `--min-round-s` of bare generation, so the figures are the
     # steady state a volunteer runs in for hours, not the start and stop of a 2-second round.
-    one_batch_s = bare(2) / 2
+    one_batch_s = bare(2)[0] / 2
     per_round = max(1, args.batches // args.rounds, math.ceil(args.min_round_s / one_batch_s))
-    cols = ("ratio", "token_ratio", "engine_busy_fraction", "rollouts_per_s")
-    rows = {"pipelined": {c: [] for c in cols}, "serial": {c: [] for c in cols}}
+    metrics = ("ratio", "token_ratio", "engine_busy_fraction", "rollouts_per_s")
+    rows = {loop: {m: [] for m in metrics} for loop in ("pipelined", "serial")}
     bare_rps = []
     for r in range(args.rounds):
-        bare_tokens[0] = 0
-        b_s = bare(per_round)
-        b_rps, b_tps = per_round * per_batch / b_s, bare_tokens[0] / b_s
+        b_s, b_tokens = bare(per_round)
+        b_rps, b_tps = per_round * per_batch / b_s, b_tokens / b_s
         bare_rps.append(b_rps)
         order = ("pipelined", "serial") if r % 2 == 0 else ("serial", "pipelined")
         for loop in order:

@@ -34,10 +34,6 @@ EDGE = 15  # steps averaged at each end of the curve
 RISE = 0.3  # the reward of the last EDGE steps over the first EDGE steps' at least this much
 
 
-def steps_of(run) -> list[dict]:
-    return [e for e in read_events(run / "metrics.jsonl") if e.get("event") == "step"]
-
-
 def test_the_policy_learns_while_sybil_keys_report_every_prompt_unscorable(procs, tmp_path):
     run = tmp_path / "run"
     coord = procs.start("coordinator", [*COORDINATOR, "--model", "tiny", "--run-dir", str(run), *COORDINATOR_FLAGS])
@@ -64,14 +60,14 @@ def test_the_policy_learns_while_sybil_keys_report_every_prompt_unscorable(procs
     attacker.start()
     try:
         wait_for(lambda: codes.count("REPORTED") >= SYBILS, 120, "the Sybil keys' first reports")
-        assert not steps_of(run), "the attack must start before the first optimizer step"
+        assert not read_events(run, "step"), "the attack must start before the first optimizer step"
         procs.start("alice", volunteer_args(swarm.join, swarm.honest["alice"], name="alice", seed=1, quiet=True))
-        wait_for(lambda: len(steps_of(run)) >= STEPS, 600, f"{STEPS} optimizer steps under the reports")
+        wait_for(lambda: len(read_events(run, "step")) >= STEPS, 600, f"{STEPS} optimizer steps under the reports")
     finally:
         stop.set()
         attacker.join(30)
         mallory.close()
-    rewards = [float(e["reward_mean"]) for e in steps_of(run)]
+    rewards = [float(e["reward_mean"]) for e in read_events(run, "step")]
     first, last = fmean(rewards[:EDGE]), fmean(rewards[-EDGE:])
     reported = codes.count("REPORTED")
     trust = wait_for(lambda: read_json(run / "trust.json"), 60, "trust.json")
