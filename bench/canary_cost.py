@@ -60,7 +60,7 @@ def main() -> int:
                     param.copy_(torch.randn(param.shape, generator=gen) * 0.1 * (v + 1))
         specs, blobs = export_lora(learner, "bf16")
         t0 = time.perf_counter()
-        canary = make_canary(learner, tokenizer)
+        canary = make_canary(learner, tokenizer, "bf16")
         publish_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         engine.load_adapter(v, specs, blobs)

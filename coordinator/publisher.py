@@ -122,7 +122,7 @@ def export_version(learner, dtype: str) -> Export:
     t0 = time.perf_counter()
     specs, blobs = export_lora(learner.model, dtype)
     try:  # two forward passes of a few dozen tokens; a version without a canary is still published
-        canary = make_canary(learner.model, learner.tokenizer)
+        canary = make_canary(learner.model, learner.tokenizer, dtype)
     except Exception:  # noqa: BLE001 - e.g. a wrapped model without PEFT's disable_adapter
         canary = None
     return Export(learner.version, tuple(specs), blobs, learner.steps, export_s=time.perf_counter() - t0,

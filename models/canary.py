@@ -5,7 +5,11 @@ frozen base model, and its batches then read as "staleness" or, here, as LOGPROB
 an honest volunteer). So each version's signed manifest carries a `messages.Canary`: a fixed probe prompt
 and completion with the learner's per-token log-probs of the completion under that version *and* under
 the base model alone (`make_canary`, on the learner thread at export: two forward passes of a few dozen
-tokens). A volunteer scores the probe with its own engine after loading the version (`Engine.score`) and
+tokens). Both are scored with the LoRA tensors rounded to the publish dtype (`published_lora`): the weights
+volunteers really serve. Scored with the learner's fp32 LoRA instead, the canary drifted from every honest
+engine as the adapter grew: a tiny-model swarm's v1551 (LoRA delta norm 12, bf16 published) read 0.082 per
+token off on both its volunteers, past the fp32 tolerance, and they refused it and all later work (CI,
+2026-12-07). A volunteer scores the probe with its own engine after loading the version (`Engine.score`) and
 `judge`s it:
 
   diff       mean |engine - canary.logprobs| per completion token
@@ -20,6 +24,7 @@ Temperature 1, no top-k/top-p: the raw model distribution, the same in every eng
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,13 +64,38 @@ def _i32(values) -> bytes:
     return np.asarray(values, dtype="<i4").tobytes()
 
 
-def make_canary(model, tokenizer) -> messages.Canary:
-    """Learner thread: the canary of the adapter `model` (a PEFT model) holds now."""
+@contextlib.contextmanager
+def published_lora(model, dtype: str):
+    """Within the block, `model`'s LoRA parameters hold their values rounded to `dtype` (what `models.lora.
+    export_lora` publishes and volunteers load); the exact values come back after it. Only LoRA tensors are
+    copied (a 7B model's rank-16 adapter: ~40M values), on their own device."""
+    import torch
+
+    from asyncrl.models.lora import TORCH_DTYPES
+
+    target = TORCH_DTYPES[dtype]
+    saved = []
+    with torch.no_grad():
+        try:
+            for name, p in model.named_parameters():
+                if "lora_" in name and p.dtype != target:
+                    saved.append((p, p.detach().clone()))
+                    p.copy_(p.to(target))
+            yield model
+        finally:
+            for p, exact in saved:
+                p.copy_(exact)
+
+
+def make_canary(model, tokenizer, dtype: str = "fp32") -> messages.Canary:
+    """Learner thread: the canary of the adapter `model` (a PEFT model) holds now, as published in `dtype`
+    (the coordinator's --publish-dtype): scored with the LoRA tensors volunteers will load."""
     was_training = model.training
     model.eval()
     try:
         prompt, completion = probe_ids(tokenizer)
-        with_adapter = completion_logprobs(model, prompt, completion)
+        with published_lora(model, dtype):
+            with_adapter = completion_logprobs(model, prompt, completion)
         with model.disable_adapter():
             base = completion_logprobs(model, prompt, completion)
     finally:
