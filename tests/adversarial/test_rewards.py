@@ -28,7 +28,7 @@ import pytest
 from asyncrl.protocol import messages
 from asyncrl.protocol.identity import Identity
 
-from tests.adversarial.swarm import RUN_ID, AttackRecord, Mallory, Swarm, completion, read_json, write_artifact
+from tests.adversarial.swarm import RUN_ID, AttackRecord, Mallory, Swarm, completion, write_artifact
 from tests.conftest import Procs, wait_for, wait_for_join
 
 pytestmark = pytest.mark.integration
