@@ -37,6 +37,11 @@ ARTIFACT_NAME = "adversarial_rewards.json"
 HANG = "9**9**9**9+0+0+0"  # as a completion, math-verify evaluates 9^(9^(9^9)): it never finishes
 POISON_ANSWER = "$9^{9^{9^{8}}}$"  # as a gold answer, the same: no completion can be scored against it (not HANG's
 # value: math-verify may find two identical towers equal without evaluating them)
+POISON_PROMPT = "answer with a number: 9^9^9^9"
+"""math-verify evaluates the gold tower only against a completion it parses as math: the tiny model's
+completions of this prompt parse ~69 % of the time (96 samples, temperature 1), so nearly every group of 4
+hangs. The wording before ("what is 9 to the 9 to the 9 to the 9?") parsed ~5 %: most groups scored 0 at
+once, each scored group reset the record's reports, and a CI run saw no retirement in 300 s."""
 MAX_NEW_TOKENS, GROUP_SIZE = 16, 4
 # Every stuck check burns a core until its time limit: 3 s instead of 10 keeps this module from slowing the
 # rest of the suite (same limit on every process of this swarm).
@@ -50,7 +55,7 @@ FLAGS = ["--run-id", RUN_ID, "--max-steps", "0", "--threads", "1", "--groups-per
 def dataset(path):
     rows = [{"prompt": f"what is {a}+{b}?", "answer": str(a + b), "reward": "math"}
             for a in range(1, 5) for b in range(1, 4)]
-    rows.insert(5, {"prompt": "what is 9 to the 9 to the 9 to the 9?", "answer": POISON_ANSWER, "reward": "math"})
+    rows.insert(5, {"prompt": POISON_PROMPT, "answer": POISON_ANSWER, "reward": "math"})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
