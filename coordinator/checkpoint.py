@@ -59,6 +59,8 @@ import torch
 
 from asyncrl.protocol.atomic import fsync_dir, write_durable, write_json_atomic
 
+from .ingest.ingest import AcceptedBatch
+
 FORMAT = 1
 PREFIX = "step-"
 ID_BYTES = 32
@@ -193,12 +195,6 @@ def _scheduler_state(learner):
     return state
 
 
-def _client_stats(ingest) -> list[dict]:
-    return [{"key": fp, "name": st.name, "fingerprint": st.fingerprint, "accepted": st.accepted,
-             "rejected": dict(st.rejected), "resent": st.resent, "last_version": st.last_version, "last_seen": st.last_seen}
-            for fp, st in ingest.clients.items()]
-
-
 @dataclass
 class Checkpoint:
     path: Path
@@ -306,20 +302,18 @@ def save(checkpointer: Checkpointer, *, gate: Gate, learner, board, ingest, iden
     """Snapshot everything (handlers held off only while copying in memory), then write it. `held()`:
     accepted batches the learner loop holds outside the ingest queue (the --sync round's)."""
     with gate.closed():
-        with ingest.lock:
-            guard = ingest.replay.snapshot()
-            clients = _client_stats(ingest)
+        books = ingest.snapshot()  # under the ingest lock, released before the board's is taken
         pending = untrained_ids(ingest, held)
         seen = (journal.ids() if journal is not None else set()) | pending
         board_state = board.state()
-    guard = ingest.replay.encode_snapshot(guard)
+    guard = books.replay_bytes()
     adapter = {n: p.detach().to("cpu", torch.float32).clone() for n, p in learner.model.named_parameters()
                if p.requires_grad}
     opt_meta, opt_tensors = _optimizer_state(learner.optimizer)
     rng_meta, rng_tensors = _rng_state()
     meta = {**identity, "version": learner.version, "learner_steps": learner.steps, "created_at": time.time(),
             "optimizer": opt_meta, "scheduler": _scheduler_state(learner), "rng": rng_meta, "board": board_state,
-            "clients": clients, "extra": extra or {}}
+            "clients": books.clients, "extra": extra or {}}
     blobs = {"seen_ids.bin": _ids_bytes(seen), "pending_ids.bin": _ids_bytes(pending), "replay_guard.msgpack": guard}
     if export is not None:
         meta["base_pin"] = export.pin
@@ -368,24 +362,14 @@ def restore(ckpt: Checkpoint, *, learner, board, ingest, journal, run_dir: Path,
     """Bring every component back to the checkpoint, then replay the journal. Returns what happened.
     With `auditor`: the published versions kept on disk come back first, and a replayed batch whose
     train-time audit was pending is checked by the learner's pass against the version it claims."""
-    from asyncrl.protocol.envelope import ReplayGuard
-
-    from .ingest.ingest import AcceptedBatch, ClientStats
-
     restore_learner(ckpt, learner)
     reloaded = auditor.load_persisted() if auditor is not None else 0
     board.restore(ckpt.meta["board"])
     seen, pending = ckpt.ids("seen_ids"), ckpt.ids("pending_ids")
     trained = seen - pending
     replayed = settled = audits_pending = 0
-    with ingest.lock:
-        ingest.replay = ReplayGuard.from_bytes((ckpt.path / "replay_guard.msgpack").read_bytes())
-        ingest.clients.replace([ClientStats(name=c["name"], fingerprint=c["fingerprint"], accepted=c["accepted"],
-                                            rejected=dict(c["rejected"]), resent=c.get("resent", 0),
-                                            last_version=c["last_version"],
-                                            last_seen=c["last_seen"]) for c in ckpt.meta["clients"]])
-        ingest.seen.load()  # every id accepted before the crash (<run_dir>/seen_ids.log)
-        ingest.seen.update(seen)
+    # every id accepted before the crash: <run_dir>/seen_ids.log, plus the checkpoint's journal ids
+    ingest.restore_books((ckpt.path / "replay_guard.msgpack").read_bytes(), ckpt.meta["clients"], seen)
     for entry in journal.entries():
         if entry.batch_id in trained:
             continue
@@ -400,10 +384,7 @@ def restore(ckpt: Checkpoint, *, learner, board, ingest, journal, run_dir: Path,
         if auditor is not None and any(g.audit for g in item.groups):
             auditor.expect(entry.batch_id, entry.signer_key, entry.engine_dtype, entry.engine_kind)  # the flag is journalled; the audit still happens
             audits_pending += 1
-        ingest.queue.put_nowait(item)
-        with ingest.lock:
-            ingest.seen.add(entry.batch_id)
-            ingest.queued_groups += len(entry.groups)
+        ingest.requeue(item)
         replayed += 1
     journal.discard_trained(trained)
     published = last_published(run_dir)

@@ -560,7 +560,7 @@ class Coordinator:
     def _lease_books(self) -> dict:
         """The task board's counters and their balance, at one instant (no lease/submit in flight)."""
         with self.gate.closed():
-            return {"leases": self.board.counts(), "leases_balanced": self.board.balanced(self.ingest.queued_groups),
+            return {"leases": self.board.counts(), "leases_balanced": self.board.balanced(self.ingest.queued()),
                     "retired_prompts": self.board.retired_prompt_ids()}
 
     def contributors(self, books: IngestBooks | None = None) -> list[dict]:

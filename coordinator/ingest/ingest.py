@@ -35,6 +35,9 @@ is spent and stays in the volunteer's outbox for a later retry — nothing is dr
 
 Memory is bounded over a run of any length (coordinator/ingest/ingest_books.py): per-key stats in an LRU table,
 scalars only in the accepted log, a bucketed reward trace, seen ids capped and persisted incrementally.
+Its lock and books are its own: other modules read and change them through methods that take the lock
+(`books`, `snapshot`/`restore_books` for checkpoints, `requeue` for a journal replay, `unqueue_groups` and
+`accepted_count` for the --sync round, `trust_view` and `load_seen` for trust_state.py).
 
 Size: the checks and the commit are one ordered pipeline whose order is the invariant (cheapest check
 first, the nonce spent only after room is reserved, journal before ack); split across files, that order
@@ -64,7 +67,7 @@ from ..trust.access import IDENTITY_STRIKES, IDENTITY_SUSPICIONS
 from .episodes import is_episode_lease, rescore_episode_group
 from .ingest_books import AcceptedRecord, ClientStats, ClientTable, RewardTrace, SeenIds
 
-__all__ = ["Ingest", "AcceptedBatch", "ClientStats", "IngestBooks", "REWARD_TOLERANCE"]
+__all__ = ["Ingest", "AcceptedBatch", "ClientStats", "IngestBooks", "IngestSnapshot", "TrustView", "REWARD_TOLERANCE"]
 
 REWARD_TOLERANCE = 1e-6
 ACCEPTED_LOG = 4096  # newest accepted-batch records kept for the learner loop's `batch` events
@@ -101,6 +104,25 @@ class IngestBooks:
     reward_first: float  # mean batch reward over the first / last 10 % of accepted batches
     reward_last: float
     clients: list[dict]  # each known key's ClientStats as a dict, least recently seen first
+
+
+@dataclass(frozen=True)
+class IngestSnapshot:
+    """What a checkpoint keeps of ingest (`Ingest.snapshot`): copied under the lock, encoded outside it."""
+    replay: tuple  # envelope.ReplayGuard.snapshot(): nonces stay single-use across a --resume
+    clients: list[dict]  # ClientTable.rows(): each key's stats, least recently seen first
+
+    def replay_bytes(self) -> bytes:
+        """The replay guard as `Ingest.restore_books` reads it back (msgpack)."""
+        return envelope.ReplayGuard.encode_snapshot(self.replay)
+
+
+@dataclass(frozen=True)
+class TrustView:
+    """What trust.json shows of ingest (`Ingest.trust_view`): copies, read at one instant."""
+    clients: dict[str, dict]  # fingerprint -> name, accepted, rejected by code, resent (the most recently seen)
+    verdicts: list[dict]  # recent outcomes, newest last
+    books: dict  # sizes of the bounded books and how much each forgot, groups dropped as unscorable
 
 
 @dataclass
@@ -189,6 +211,32 @@ class Ingest:
                                reward_first=self.rewards.mean_of(first=True),
                                reward_last=self.rewards.mean_of(first=False),
                                clients=[asdict(st) for st in self.clients.values()])
+
+    def snapshot(self) -> IngestSnapshot:
+        """The replay guard and the client stats at one instant (a checkpoint's; encode it outside the lock)."""
+        with self.lock:
+            return IngestSnapshot(self.replay.snapshot(), self.clients.rows())
+
+    def trust_view(self, max_listed: int) -> TrustView:
+        """The `max_listed` most recently seen clients, recent verdicts and the books' sizes (trust.json)."""
+        with self.lock:
+            recent = list(self.clients.items())[-max_listed:]
+            clients = {fp: {"name": st.name, "accepted": st.accepted, "rejected": dict(st.rejected),
+                            "resent": st.resent} for fp, st in recent}
+            books = {"clients_tracked": len(self.clients), "clients_forgotten": self.clients.forgotten,
+                     "seen_ids": len(self.seen), "seen_forgotten": self.seen.forgotten,
+                     "unscorable_groups": self.unscorable_groups}
+            return TrustView(clients, list(self.verdicts), books)
+
+    def accepted_count(self) -> int:
+        """Batches ever accepted: the seq the next accepted-batch record gets (`accepted_since`)."""
+        with self.lock:
+            return self.accepted_total
+
+    def unqueue_groups(self, n: int) -> None:
+        """`n` queued groups left the books: taken for training, or dropped before it."""
+        with self.lock:
+            self.queued_groups -= n
 
     def clients_known(self) -> int:
         """How many volunteer keys the books hold (bounded: coordinator/ingest/ingest_books.py ClientTable)."""
@@ -417,8 +465,7 @@ class Ingest:
                 else:
                     self.queue.put_nowait(item)
             except queue.Full:  # cannot happen with the reservation; if it does, undo everything
-                with self.lock:
-                    self.queued_groups -= len(item.groups)
+                self.unqueue_groups(len(item.groups))
                 self.board.reopen(settled)
                 if self.journal is not None:
                     self.journal.remove(batch_id)
@@ -479,8 +526,7 @@ class Ingest:
         """AuditWorker: the batch failed its audit after its ack; it is never trained. Its groups count as
         dropped (the board's books balance), its journal entry goes (a --resume must not audit, strike or
         train it again), and the signer is judged as for a train-time failure."""
-        with self.lock:
-            self.queued_groups -= len(item.groups)
+        self.unqueue_groups(len(item.groups))
         self.board.mark_dropped(len(item.groups))
         if self.journal is not None:
             self.journal.remove(item.batch_id)
@@ -526,6 +572,28 @@ class Ingest:
             self.replay.merge(guard)
             self.seen.update(seen)
 
+    def load_seen(self) -> int:
+        """Merge the accepted ids in the seen-ids file (<run_dir>/seen_ids.log); returns how many were new."""
+        with self.lock:
+            return self.seen.load()
+
+    def restore_books(self, replay: bytes, clients: list[dict], seen_ids) -> None:
+        """A checkpoint's replay guard and client stats replace ours; seen = the seen-ids file + `seen_ids`."""
+        guard = envelope.ReplayGuard.from_bytes(replay)
+        stats = [ClientStats.from_row(c) for c in clients]
+        with self.lock:
+            self.replay = guard
+            self.clients.replace(stats)
+            self.seen.load()  # every id accepted before the crash
+            self.seen.update(seen_ids)
+
+    def requeue(self, item: AcceptedBatch) -> None:
+        """A journalled batch back on the learner's queue (--resume): booked as seen and as queued."""
+        self.queue.put_nowait(item)
+        with self.lock:
+            self.seen.add(item.batch_id)
+            self.queued_groups += len(item.groups)
+
     def take(self, n_groups: int, *, max_wait_s: float, min_groups: int, stop: threading.Event) -> list[AcceptedBatch]:
         """Block until n_groups are queued, or max_wait_s passed with >= min_groups (or stop is set)."""
         got: list[AcceptedBatch] = []
@@ -544,8 +612,7 @@ class Ingest:
                 continue
             got.append(item)
             count += len(item.groups)
-            with self.lock:
-                self.queued_groups -= len(item.groups)
+            self.unqueue_groups(len(item.groups))
         return got
 
 

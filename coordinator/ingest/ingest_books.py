@@ -47,6 +47,13 @@ class ClientStats:
                        f"v{report.version} FAILED ({report.diff:.2f}/token; base model {report.base_diff:.2f})")
         self.canary_failures += 0 if report.passed else 1
 
+    @classmethod
+    def from_row(cls, row: dict) -> ClientStats:
+        """Inverse of `ClientTable.rows` (a checkpoint's meta.json "clients")."""
+        return cls(name=row["name"], fingerprint=row["fingerprint"], accepted=row["accepted"],
+                   rejected=dict(row["rejected"]), resent=row.get("resent", 0), last_version=row["last_version"],
+                   last_seen=row["last_seen"])
+
 
 class ClientTable:
     """fingerprint -> ClientStats, bounded (see the module docstring). Callers hold ingest's lock."""
@@ -89,6 +96,12 @@ class ClientTable:
     def replace(self, entries: list[ClientStats]) -> None:
         self._d = OrderedDict((st.fingerprint, st) for st in sorted(entries, key=lambda s: s.last_seen))
         self._evict()
+
+    def rows(self) -> list[dict]:
+        """Each key's stats as plain dicts, least recently seen first (what a checkpoint keeps)."""
+        return [{"key": fp, "name": st.name, "fingerprint": st.fingerprint, "accepted": st.accepted,
+                 "rejected": dict(st.rejected), "resent": st.resent, "last_version": st.last_version,
+                 "last_seen": st.last_seen} for fp, st in self._d.items()]
 
     def values(self):
         return self._d.values()

@@ -21,9 +21,9 @@ Semantics — synchronous on-policy RL spread over volunteers:
   `lease`, with want=0 until N volunteers are in: each one that waited is live when the first round
   starts, so that round waits for its batch as well.
 
-Coupling, written down: `take` drains `Ingest.queue` itself and keeps `Ingest.queued_groups` right
-(batches it holds for an unfinished round still count as queued), and reads the accepted-batch
-records (`Ingest.accepted_since`).
+Coupling, written down: `take` drains `Ingest.queue` itself and keeps ingest's queued-groups count right
+through `Ingest.unqueue_groups` (batches it holds for an unfinished round still count as queued), and reads
+the accepted-batch records (`Ingest.accepted_count`, `Ingest.accepted_since`).
 """
 
 from __future__ import annotations
@@ -79,8 +79,7 @@ class SyncRound:
     def _begin_locked(self, version: int) -> None:
         self.version = version
         self._granted.clear()
-        with self.ingest.lock:
-            self._log_start = self.ingest.accepted_total
+        self._log_start = self.ingest.accepted_count()
         self.rounds += 1
 
     def _outstanding(self, held: tuple[bytes, list[str]]) -> bool:
@@ -124,8 +123,7 @@ class SyncRound:
 
     def _unqueue(self, items: list) -> None:
         # Pending batches still count as queued (the board's books: completed = trained + dropped + queued).
-        with self.ingest.lock:
-            self.ingest.queued_groups -= sum(len(b.groups) for b in items)
+        self.ingest.unqueue_groups(sum(len(b.groups) for b in items))
 
     def _drop_off_round(self, version: int) -> None:
         """Drop pending batches generated with another version than the round's (late ones)."""

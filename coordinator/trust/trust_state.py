@@ -57,8 +57,7 @@ class TrustState:
                 loaded[name] = path.stat().st_size
             except ProtocolError as exc:  # a torn or foreign file: say so, start without it
                 self.out(f"warning: ignoring {path}: {exc}")
-        with self.ingest.lock:
-            loaded["seen_ids"] = self.ingest.seen.load()
+        loaded["seen_ids"] = self.ingest.load_seen()
         return loaded
 
     def start(self) -> None:
@@ -85,24 +84,18 @@ class TrustState:
             write_atomic(self.run_dir / "trust.json", json.dumps(self.status(), indent=1).encode())
 
     def status(self) -> dict:
-        with self.ingest.lock:
-            recent = list(self.ingest.clients.items())[-MAX_LISTED:]
-            clients = {fp: {"name": st.name, "accepted": st.accepted, "rejected": dict(st.rejected),
-                           "resent": st.resent} for fp, st in recent}
-            verdicts = list(self.ingest.verdicts)
-            books = {"clients_tracked": len(self.ingest.clients), "clients_forgotten": self.ingest.clients.forgotten,
-                     "seen_ids": len(self.ingest.seen), "seen_forgotten": self.ingest.seen.forgotten,
-                     "unscorable_groups": self.ingest.unscorable_groups}
+        view = self.ingest.trust_view(MAX_LISTED)
+        books = dict(view.books)
         board = self.ingest.board  # its own lock, taken after the ingest lock is released
         if board is not None:
             leases = board.counts()
             books.update(prompts_retired=leases["retired_records"], retired_prompt_ids=board.retired_prompt_ids(),
                          leases_expired=leases["expired"])
         return {
-            "clients": clients,
+            "clients": view.clients,
             "access": self.access.status() if self.access is not None else None,
             "audit": self.auditor.status() if self.auditor is not None else None,
-            "verdicts": verdicts,
+            "verdicts": view.verdicts,
             "books": books,
         }
 

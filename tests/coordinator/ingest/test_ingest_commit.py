@@ -210,3 +210,4 @@ def test_the_books_are_one_read_that_later_batches_do_not_change(tokenizer, tmp_
     assert books.accepted_total == 1 and books.clients[0]["accepted"] == 1  # a copy, not a view of the books
     now = ingest.books()
     assert now.accepted_total == 2 and now.queued_groups == 3 and now.clients[0]["accepted"] == 2
+    assert ingest.accepted_count() == 2 and [r.seq for r in ingest.accepted_since(1)] == [1]  # the next one is #2
