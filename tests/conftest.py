@@ -30,7 +30,8 @@ def _work_unit(path: str) -> str:
     return path
 
 
-OWN_SWARM = {"tests/adversarial/test_rewards.py", "tests/adversarial/test_poison_learning.py"}
+OWN_SWARM = {"tests/adversarial/test_rewards.py", "tests/adversarial/test_poison_learning.py",
+             "tests/adversarial/test_restart.py"}
 """Adversarial files that start a swarm of their own instead of the package's shared one: ordinary units."""
 
 

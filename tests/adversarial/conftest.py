@@ -18,6 +18,7 @@ from tests.adversarial.swarm import (
     RssSampler,
     Swarm,
     read_json,
+    start_volunteers,
     wait_for,
     write_artifact,
 )
@@ -35,11 +36,7 @@ def swarm(tmp_path_factory):
                                         str(run), "--banlist", str(banlist), *COORDINATOR_FLAGS])
     try:
         join = wait_for_join(run, 240)
-        honest = {}
-        for seed, name in enumerate(("alice", "bob"), 1):
-            honest[name] = root / name
-            procs.start(name, ["-m", "asyncrl.client.cli", "join", join, "--name", name, "--data-dir", str(root / name),
-                               "--seed", str(seed), "--threads", "1", "--duty-cycle", "0.5", "--quiet"])
+        honest = start_volunteers(procs, join, root, ("alice", "bob"), "--duty-cycle", "0.5")
         s = Swarm(root=root, run=run, join=join, coordinator_pid=coord.pid, honest=honest)
         s.banlist = banlist
         s.procs = procs  # tests that need another process of their own (a volunteer, a DDP learner)

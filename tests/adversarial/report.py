@@ -22,7 +22,10 @@ from tests.adversarial.swarm import ARTIFACT
 
 REPO = Path(__file__).resolve().parents[2]
 CALIBRATION = REPO / "runs" / "bench" / "audit_calibration.json"
-OWN_ARTIFACTS = [ARTIFACT.with_name("adversarial_rewards.json")]
+OWN_ARTIFACTS = {  # modules with a swarm of their own: artifact -> the label of its honest volunteers' line
+    ARTIFACT.with_name("adversarial_rewards.json"): "Reward rows (their own swarm, tests/adversarial/test_rewards.py)",
+    ARTIFACT.with_name("adversarial_restart.json"): "Restart row (its own swarm, tests/adversarial/test_restart.py)",
+}
 
 
 def attack_table(data: dict, own: list[dict] = ()) -> str:
@@ -48,7 +51,7 @@ def attack_table(data: dict, own: list[dict] = ()) -> str:
             f"{sum(r['honest_lost'] for r in rows)}; honest volunteers — {honest}."]
     for d in own:
         end = d.get("honest_end", {})
-        tail.append("Reward rows (their own swarm, tests/adversarial/test_rewards.py): " + "; ".join(
+        tail.append(d.get("label", "Rows of their own swarm") + ": " + "; ".join(
             f"{name}: {end[name]['acked']} batches acked, rejected {end[name]['client_rejected'] or '{}'}"
             for name in sorted(end)) + f"; books {json.dumps({k: v for k, v in (d.get('books') or {}).items() if k in ('unscorable_groups', 'prompts_retired')})}.")
     if "unanswered_streams" in data:
@@ -122,7 +125,7 @@ def main(argv=None) -> int:
     ap.add_argument("--write", default=None, help="update the marked sections of this markdown file")
     args = ap.parse_args(argv)
     data = json.loads(Path(args.results).read_text())
-    own = [json.loads(p.read_text()) for p in OWN_ARTIFACTS if p.exists()]
+    own = [{**json.loads(p.read_text()), "label": label} for p, label in OWN_ARTIFACTS.items() if p.exists()]
     table = attack_table(data, own)
     cal = json.loads(Path(args.calibration).read_text()) if Path(args.calibration).exists() else None
     cal_md = calibration_section(cal) if cal else None

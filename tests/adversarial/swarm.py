@@ -59,6 +59,29 @@ MAX_STRIKES, PEER_MAX_STRIKES = 3, 10
 NOT_LOST = {"DUPLICATE_BATCH", "RATE_LIMITED", "DEADLINE_EXCEEDED", "INTERNAL", "EXPIRED", "NONCE_REUSED"}
 
 
+def start_volunteers(procs, join: str, root: Path, names, *flags: str, env: dict | None = None) -> dict[str, Path]:
+    """One `asyncrl-client join` process per name (seed 1, 2, ...; data dir root/<name>); name -> data dir."""
+    honest = {}
+    for seed, name in enumerate(names, 1):
+        honest[name] = root / name
+        procs.start(name, ["-m", "asyncrl.client.cli", "join", join, "--name", name, "--data-dir", str(root / name),
+                           "--seed", str(seed), "--threads", "1", *flags, "--quiet"], env=env or {})
+    return honest
+
+
+@contextlib.contextmanager
+def own_rows(swarm: "Swarm", artifact_name: str, timeout: float = 300.0):
+    """A module with a swarm of its own: wait (up to `timeout`) until each honest volunteer had a batch accepted,
+    run the block, then write its rows and the honest books to tests/artifacts/<artifact_name> (merged into
+    docs/SECURITY.md by tests.adversarial.report)."""
+    wait_for(lambda: all(swarm.status(n).get("batches_acked", 0) >= 1 for n in swarm.honest), timeout,
+             f"{' and '.join(swarm.honest)} to get a batch accepted")
+    start = swarm.honest_view()
+    yield swarm
+    write_artifact(swarm, {"honest_start": start, "honest_end": swarm.honest_view(),
+                           "books": swarm.trust().get("books")}, name=artifact_name)
+
+
 def read_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -572,5 +595,5 @@ def sha(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
 
-__all__ = ["Swarm", "Mallory", "sealed_request", "AttackRecord", "RUN_ID", "COORDINATOR_FLAGS", "batch_id_of", "corrupt",
+__all__ = ["Swarm", "Mallory", "sealed_request", "start_volunteers", "own_rows", "AttackRecord", "RUN_ID", "COORDINATOR_FLAGS", "batch_id_of", "corrupt",
            "replace_completions", "completion", "write_artifact", "wait_for", "fingerprint", "sha"]

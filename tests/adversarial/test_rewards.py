@@ -28,7 +28,7 @@ import pytest
 from asyncrl.protocol import messages
 from asyncrl.protocol.identity import Identity
 
-from tests.adversarial.swarm import RUN_ID, AttackRecord, Mallory, Swarm, completion, write_artifact
+from tests.adversarial.swarm import RUN_ID, AttackRecord, Mallory, Swarm, completion, own_rows, start_volunteers
 from tests.conftest import Procs, wait_for, wait_for_join
 
 pytestmark = pytest.mark.integration
@@ -70,19 +70,11 @@ def math_swarm(tmp_path_factory):
     records: dict[str, AttackRecord] = {}
     try:
         join = wait_for_join(run, 240, coord)
-        honest = {}
-        for seed, name in enumerate(("carol", "dave"), 1):
-            honest[name] = root / name
-            procs.start(name, ["-m", "asyncrl.client.cli", "join", join, "--name", name, "--data-dir", str(root / name),
-                               "--seed", str(seed), "--threads", "1", "--quiet"], env=CHECK_TIME)
+        honest = start_volunteers(procs, join, root, ("carol", "dave"), env=CHECK_TIME)
         s = Swarm(root=root, run=run, join=join, coordinator_pid=coord.pid, honest=honest)
         s.results = records
-        wait_for(lambda: all(s.status(n).get("batches_acked", 0) >= 1 for n in honest), 300,
-                 "carol and dave to get a batch accepted")
-        start = s.honest_view()
-        yield s
-        write_artifact(s, {"honest_start": start, "honest_end": s.honest_view(), "books": s.trust().get("books")},
-                       name=ARTIFACT_NAME)
+        with own_rows(s, ARTIFACT_NAME):
+            yield s
     finally:
         procs.reap()
 
