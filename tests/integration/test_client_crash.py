@@ -11,8 +11,8 @@ import pytest
 
 from asyncrl.runlog import read_events
 
-from tests.conftest import wait_for, wait_for_join
-from tests.harness import with_fault
+from tests.conftest import wait_for
+from tests.harness import start_coordinator, volunteer_args, with_fault
 
 pytestmark = pytest.mark.integration
 
@@ -23,15 +23,13 @@ def _batch_events(run):
 
 def test_a_killed_pipelined_volunteer_keeps_every_unacked_batch(procs, tmp_path):
     run = tmp_path / "run"
-    coord = procs.start("coordinator", ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny",
-                                        "--run-dir", str(run), "--max-steps", "0", "--threads", "1",
-                                        "--groups-per-step", "4", "--min-groups", "1", "--max-wait-s", "1",
-                                        # the scenario is a restart within the lease (expiry: test_lease_expiry.py);
-                                        # longer than every wait below, so no restart time can turn it into expiry
-                                        "--lease-timeout-s", "3600"])
-    join = wait_for_join(run)
+    # the scenario is a restart within the lease (expiry: test_lease_expiry.py); a lease timeout longer than
+    # every wait below, so no restart time can turn it into expiry
+    coord = start_coordinator(procs, run, timeout=120, no_dashboard=False, groups_per_step=4, min_groups=1,
+                              max_wait_s=1, lease_timeout_s=3600)
+    join = coord.join
     data = tmp_path / "alice"
-    args = ["-m", "asyncrl.client.cli", "join", join, "--name", "alice", "--data-dir", str(data), "--threads", "1"]
+    args = volunteer_args(join, data, name="alice")
     data.mkdir()
     (data / "HOLD_UPLOADS").write_text("the test kills the volunteer while its batches wait here\n")
     # the fault double (tests/fault_volunteer.py) keeps generating and spooling but uploads nothing while
@@ -52,8 +50,8 @@ def test_a_killed_pipelined_volunteer_keeps_every_unacked_batch(procs, tmp_path)
     assert again.returncode == 0, again.log_path.read_text()[-2000:]
     assert not list((data / "outbox").glob("*.payload")), "acked batches are deleted from the outbox"
     wait_for(lambda: spooled <= {e["batch_id"] for e in _batch_events(run)}, 60, "the learner to log the batches")
-    procs.signal(coord, signal.SIGTERM)
-    coord.wait(180)
+    procs.signal(coord.proc, signal.SIGTERM)
+    coord.proc.wait(180)
     ids = [e["batch_id"] for e in _batch_events(run)]
     assert all(ids.count(b) == 1 for b in spooled), "each recovered batch is accepted exactly once"
     assert len(ids) == len(set(ids))
