@@ -31,6 +31,10 @@ A = acc_base + 0.5 (acc_local - acc_base) over the local arm's; null when either
 export_check (the swarm's last checkpoint scored by stock loading and by the in-process loading: equal
 within one problem). A PNG plots both curves.
 
+Size: both arms, their evaluation and the report stay in this one script, so one set of flags drives both
+arms and a reader sees in one place that they differ only in what the swarm adds (processes, network,
+signing, audit, leases).
+
     .venv/bin/python bench/real_model.py --json-out runs/bench/real_model.json --png-out docs/img/real_model.png
     .venv/bin/python bench/real_model.py --model tiny --task reasoning_gym:chain_sum --task-param max_digits=1 \\
         --task-param min_terms=2 --task-param max_terms=2 --steps 3 --n-eval 8 \\
