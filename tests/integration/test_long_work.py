@@ -15,8 +15,8 @@ import pytest
 
 from asyncrl.client import cli as client_cli
 
-from tests.conftest import wait_for, wait_for_join
-from tests.harness import with_fault
+from tests.conftest import wait_for
+from tests.harness import start_coordinator, start_volunteer
 
 pytestmark = pytest.mark.integration
 
@@ -33,26 +33,24 @@ def _status(path):
 
 def test_slow_honest_groups_renew_and_too_long_prompts_cost_only_their_lease(procs, tmp_path):
     run = tmp_path / "run"
-    coord = procs.start("coordinator", ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny", "--no-dashboard",
-                                        "--run-dir", str(run), "--max-steps", "0", "--threads", "1",
-                                        "--groups-per-step", "2", "--min-groups", "1", "--max-wait-s", "1",
-                                        "--prompts-per-lease", "2", "--group-size", "4",
-                                        "--lease-timeout-s", str(TIMEOUT_S), "--max-staleness", "-1",
-                                        # room for carol's whole 2-prompt lease beside the others' (fair share)
-                                        "--max-inflight-groups", "8", "--new-key-share", "1.0"])
-    join = wait_for_join(run, 180)
-    args = ["-m", "asyncrl.client.cli", "join", join, "--threads", "1", "--prompts-per-batch", "2", "--json-logs"]
+    started = start_coordinator(procs, run, groups_per_step=2, min_groups=1, max_wait_s=1, prompts_per_lease=2,
+                                group_size=4, lease_timeout_s=TIMEOUT_S, max_staleness=-1,
+                                # room for carol's whole 2-prompt lease beside the others' (fair share)
+                                max_inflight_groups=8, new_key_share=1.0)
+    coord, join = started.proc, started.join
+
+    def volunteer(name, data, **opts):
+        return start_volunteer(procs, join, data, name=name, prompts_per_batch=2, json_logs=True, **opts)
+
     slow_dir, small_dir = tmp_path / "slow", tmp_path / "small"
-    slow_args = [*args, "--name", "slow", "--data-dir", str(slow_dir), "--max-batches", "3"]
-    slow = procs.start("slow", with_fault(slow_args, f"slow-generate:{SLOW_S}"))
+    slow = volunteer("slow", slow_dir, fault=f"slow-generate:{SLOW_S}", max_batches=3)
     # an engine context of 8 tokens: no prompt + max_new_tokens fits, every lease is too long for it
-    small = procs.start("small", [*args, "--name", "small", "--data-dir", str(small_dir), "--max-model-len", "8"])
+    small = volunteer("small", small_dir, max_model_len=8)
 
     # polite: only the pause command counts (no user, any CPU load); 4 s per prompt leaves time to pause mid-lease
     carol_dir = tmp_path / "carol"
-    carol_args = [*args, "--name", "carol", "--data-dir", str(carol_dir), "--fixed-lease-size", "--only-when-idle",
-                  "--user-idle-s", "0", "--idle-max-cpu", "1.0"]
-    carol = procs.start("carol", with_fault(carol_args, "slow-prompt:4"))
+    carol = volunteer("carol", carol_dir, fault="slow-prompt:4", fixed_lease_size=True, only_when_idle=True,
+                      user_idle_s=0, idle_max_cpu=1.0)
     wait_for(lambda: (_status(carol_dir) or {}).get("lease_progress") == [0, 2], 300, "carol on her lease's first prompt")
     assert client_cli.main(["pause", "--data-dir", str(carol_dir)]) == 0  # in-process: no interpreter start-up to wait for
     wait_for(lambda: (_status(carol_dir) or {}).get("state") == "paused", 120, "carol paused")
