@@ -18,8 +18,8 @@ import pytest
 
 from asyncrl.runlog import read_events
 
-from tests.conftest import wait_for, wait_for_join
-from tests.harness import with_fault
+from tests.conftest import wait_for
+from tests.harness import coordinator_args, start_coordinator, volunteer_args, with_fault
 
 pytestmark = pytest.mark.integration
 
@@ -49,16 +49,14 @@ def _volunteer_events(log):
 
 def test_spooled_batches_survive_an_outage_longer_than_the_window(procs, tmp_path, free_port):
     run, vol = tmp_path / "run", tmp_path / "vol"
-    coord_args = ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny", "--run-dir", str(run), "--no-dashboard",
-                  "--port", str(free_port), "--max-steps", "0", "--threads", "1", "--checkpoint-every", "0",
-                  "--groups-per-step", "4", "--min-groups", "1", "--max-wait-s", "1", "--lease-timeout-s", "600",
-                  "--timestamp-window-s", str(WINDOW_S), "--group-size", "4", "--max-inflight-groups", "16"]
-    first = procs.start("coordinator-1", coord_args)
-    join = wait_for_join(run, 180)
+    same = dict(port=free_port, checkpoint_every=0, groups_per_step=4, min_groups=1, max_wait_s=1,
+                lease_timeout_s=600, timestamp_window_s=WINDOW_S, group_size=4, max_inflight_groups=16)
+    coordinator = start_coordinator(procs, run, name="coordinator-1", **same)
+    first, join = coordinator.proc, coordinator.join
     vol.mkdir()
     (vol / "HOLD_UPLOADS").write_text("the test releases uploads after the outage\n")
-    args = ["-m", "asyncrl.client.cli", "join", join, "--name", "vol", "--threads", "1", "--data-dir", str(vol),
-            "--prompts-per-batch", "2", "--json-logs", "--fixed-lease-size"]  # 2 prompts per batch from the first
+    args = volunteer_args(join, vol, name="vol", prompts_per_batch=2, json_logs=True,
+                          fixed_lease_size=True)  # 2 prompts per batch from the first
     volunteer = procs.start("vol", with_fault(args, "hold-uploads"))
     # It holds every lease it may (8 prompts = 4 batches of 2) and spools them all.
     wait_for(lambda: _status(vol).get("outbox", 0) >= 4, 300, "the volunteer to spool 4 batches")
@@ -71,7 +69,7 @@ def test_spooled_batches_survive_an_outage_longer_than_the_window(procs, tmp_pat
     # Down for longer than the window: each spooled batch is now far older than any envelope it may send.
     wait_for(lambda: time.time() - down_at > 2 * WINDOW_S, 60, "the outage to outlast the timestamp window")
     (vol / "HOLD_UPLOADS").unlink()
-    second = procs.start("coordinator-2", [*coord_args, "--resume"])
+    second = procs.start("coordinator-2", coordinator_args(run, resume=True, **same))
 
     def trained_or_dropped():
         events = _events(run)
