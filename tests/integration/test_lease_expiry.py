@@ -11,8 +11,8 @@ import pytest
 from asyncrl.protocol import messages
 from asyncrl.runlog import read_events
 
-from tests.conftest import wait_for, wait_for_join
-from tests.harness import with_fault
+from tests.conftest import wait_for
+from tests.harness import start_coordinator, start_volunteer
 
 pytestmark = pytest.mark.integration
 
@@ -23,20 +23,19 @@ def _events(run, kind):
 
 def test_killed_volunteers_prompts_are_released_and_trained(procs, tmp_path):
     run = tmp_path / "run"
-    coord = procs.start("coordinator", ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny", "--no-dashboard",
-                                        "--run-dir", str(run), "--max-steps", "0", "--threads", "1",
-                                        "--groups-per-step", "2", "--min-groups", "1", "--max-wait-s", "1",
-                                        "--prompts-per-lease", "2", "--group-size", "8", "--lease-timeout-s", "15",
-                                        "--max-staleness", "-1"])
-    join = wait_for_join(run, 180)
-    args = ["-m", "asyncrl.client.cli", "join", join, "--threads", "1", "--prompts-per-batch", "2",
-            "--fixed-lease-size"]  # the victim holds two leases from its first grant on (no one-prompt probe)
+    started = start_coordinator(procs, run, groups_per_step=2, min_groups=1, max_wait_s=1, prompts_per_lease=2,
+                                group_size=8, lease_timeout_s=15, max_staleness=-1)
+    coord, join = started.proc, started.join
+
+    def volunteer(name, data, **opts):
+        # the victim holds two leases from its first grant on (no one-prompt probe)
+        return start_volunteer(procs, join, data, name=name, prompts_per_batch=2, fixed_lease_size=True, **opts)
+
     victim_dir = tmp_path / "victim"
     victim_dir.mkdir()
     (victim_dir / "HOLD_UPLOADS").write_text("its batches stay unsent until it is killed\n")
     # works on, uploads nothing (tests/fault_volunteer.py): its leases die with it
-    victim_args = [*args, "--name", "victim", "--data-dir", str(victim_dir)]
-    victim = procs.start("victim", with_fault(victim_args, "hold-uploads"))
+    victim = volunteer("victim", victim_dir, fault="hold-uploads")
     wait_for(lambda: any((victim_dir / "outbox").glob("*.payload")), 240, "the victim to finish generating")
     procs.signal(victim, signal.SIGKILL)
     victim.wait(10)
@@ -44,7 +43,7 @@ def test_killed_volunteers_prompts_are_released_and_trained(procs, tmp_path):
     lost = {g.prompt_id for b in spooled for g in messages.decode_rollout_batch(b, max_bytes=1 << 20).groups}
     assert len(lost) == 2 * len(spooled) >= 2  # two prompts per batch, each batch unsent
 
-    procs.start("survivor", [*args, "--name", "survivor", "--data-dir", str(tmp_path / "survivor")])
+    volunteer("survivor", tmp_path / "survivor")
 
     def lost_prompts_trained() -> bool:  # answered by the survivor, and that batch went through a step
         trained = {i for e in _events(run, "step") for i in e["batch_ids"]}
