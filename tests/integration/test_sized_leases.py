@@ -22,8 +22,8 @@ import pytest
 from asyncrl.protocol.errors import RejectCode
 from asyncrl.runlog import read_events
 
-from tests.conftest import wait_for, wait_for_join
-from tests.harness import with_fault
+from tests.conftest import wait_for
+from tests.harness import start_coordinator, start_volunteer
 
 pytestmark = pytest.mark.integration
 LIFE_S = 6.0
@@ -42,20 +42,16 @@ def _events(run, kind):
 
 def test_a_slowed_volunteer_takes_smaller_leases_and_loses_nothing_where_a_fixed_lease_dies(procs, tmp_path):
     run = tmp_path / "run"
-    procs.start("coordinator", ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny", "--run-dir", str(run),
-                                "--no-dashboard", "--max-steps", "0", "--threads", "1", "--lease-timeout-s", "3",
-                                "--lease-max-s", str(LIFE_S), "--prompts-per-lease", "8", "--max-inflight-groups", "24",
-                                "--new-key-share", "1.0", "--groups-per-step", "2", "--min-groups", "1",
-                                "--max-wait-s", "1"])
-    join = wait_for_join(run)
+    join = start_coordinator(procs, run, timeout=120, lease_timeout_s=3, lease_max_s=LIFE_S, prompts_per_lease=8,
+                             max_inflight_groups=24, new_key_share=1.0, groups_per_step=2, min_groups=1,
+                             max_wait_s=1).join
 
-    def volunteer(name, slow_s, *extra):
-        return procs.start(name, with_fault(["-m", "asyncrl.client.cli", "join", join, "--name", name, "--data-dir",
-                                             str(tmp_path / name), "--threads", "1", "--quiet", "--prompts-per-batch",
-                                             "8", *extra], f"slow-prompt:{slow_s}"))
+    def volunteer(name, slow_s, **opts):
+        return start_volunteer(procs, join, tmp_path / name, name=name, fault=f"slow-prompt:{slow_s}", quiet=True,
+                               prompts_per_batch=8, **opts)
 
     sized = volunteer("sized", 1.0)
-    fixed = volunteer("fixed", 1.0, "--fixed-lease-size")
+    fixed = volunteer("fixed", 1.0, fixed_lease_size=True)
     hopeless = volunteer("hopeless", 8.0)
     assert hopeless.wait(300) != 0, hopeless.log_path.read_text()[-3000:]  # stops on its own: refused
     h = _status(tmp_path, "hopeless")
