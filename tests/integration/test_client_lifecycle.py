@@ -9,7 +9,8 @@ import signal
 
 import pytest
 
-from tests.conftest import wait_for, wait_for_join
+from tests.conftest import wait_for
+from tests.harness import start_coordinator, start_volunteer
 
 pytestmark = pytest.mark.integration
 
@@ -17,9 +18,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 def coordinator(procs, tmp_path):
     run = tmp_path / "run"
-    procs.start("coordinator", ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny", "--run-dir", str(run),
-                                "--max-steps", "0", "--threads", "1", "--min-groups", "1", "--max-wait-s", "1"])
-    return wait_for_join(run)
+    return start_coordinator(procs, run, timeout=120, no_dashboard=False, min_groups=1, max_wait_s=1).join
 
 
 def _refusal(proc, timeout=180) -> str:
@@ -34,14 +33,9 @@ def _refusal(proc, timeout=180) -> str:
     return error[0].removeprefix("asyncrl-client: error:").split(":")[0].strip()
 
 
-def _join(procs, name, join, data, *extra):
-    return procs.start(name, ["-m", "asyncrl.client.cli", "join", join, "--name", name, "--data-dir", str(data),
-                              "--threads", "1", *extra])
-
-
 def test_first_ctrl_c_finishes_and_flushes(procs, coordinator, tmp_path):
     data = tmp_path / "bob"
-    bob = _join(procs, "bob", coordinator, data)
+    bob = start_volunteer(procs, coordinator, data, name="bob")
     wait_for(lambda: (data / "status.json").exists() and json.loads((data / "status.json").read_text())
              ["batches_acked"] >= 1, 300, "bob's first acked batch")
     procs.signal(bob, signal.SIGINT)
@@ -68,7 +62,7 @@ def test_foreign_base_model_is_refused_with_one_line(procs, coordinator, tmp_pat
     other = tmp_path / "other-model"
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(other)
     tok.save_pretrained(other)
-    carol = _join(procs, "carol", coordinator, tmp_path / "carol", "--model", str(other))
+    carol = start_volunteer(procs, coordinator, tmp_path / "carol", name="carol", model=str(other))
     assert _refusal(carol) == "REVISION_MISMATCH"
 
     # The right weights (an exact copy of the tiny model), but someone edited the tokenizer config.
@@ -76,7 +70,7 @@ def test_foreign_base_model_is_refused_with_one_line(procs, coordinator, tmp_pat
     conf = _json.loads((edited / "tokenizer_config.json").read_text())
     conf["model_max_length"] = 128
     (edited / "tokenizer_config.json").write_text(_json.dumps(conf))
-    dave = _join(procs, "dave", coordinator, tmp_path / "dave", "--model", str(edited))
+    dave = start_volunteer(procs, coordinator, tmp_path / "dave", name="dave", model=str(edited))
     assert _refusal(dave) == "TOKENIZER_MISMATCH"
     # Refused before generating: neither asked for work nor sent a batch, so the coordinator never saw their
     # keys — an honest volunteer with the wrong copy is never struck.
