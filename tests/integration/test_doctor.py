@@ -13,6 +13,7 @@ import pytest
 
 from asyncrl.protocol.identity import Identity
 from tests.conftest import REPO, Procs, wait_for_join
+from tests.harness import coordinator_args
 
 pytestmark = pytest.mark.integration
 HERE = Path(__file__).resolve().parent
@@ -23,8 +24,8 @@ def swarm(tmp_path_factory):
     """One real coordinator (tiny model) and mallory's impostor, shared by the tests below."""
     root = tmp_path_factory.mktemp("doctor")
     procs = Procs(root)
-    procs.start("coordinator", ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny", "--run-dir",
-                                str(root / "run"), "--max-steps", "0", "--threads", "1"])
+    # started side by side with the impostor, then both waited for: coordinator_args, not start_coordinator
+    procs.start("coordinator", coordinator_args(root / "run", no_dashboard=False))
     procs.start("impostor", ["-m", "tests.integration.impostor", "--run-dir", str(root / "mallory")])
     try:
         yield {"join": wait_for_join(root / "run"), "impostor": wait_for_join(root / "mallory"), "root": root}
