@@ -13,7 +13,8 @@ import pytest
 
 from asyncrl.protocol.identity import Identity
 
-from tests.conftest import free_tcp_port, wait_for, wait_for_join
+from tests.conftest import free_tcp_port, wait_for
+from tests.harness import start_coordinator
 
 pytestmark = pytest.mark.integration
 
@@ -38,13 +39,12 @@ def test_a_stock_hivemind_dht_node_is_the_only_bootstrap_peer_both_sides_know(pr
              "the stock hivemind-dht node to print its address")
 
     run = tmp_path / "run"
-    procs.start("coordinator", ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny", "--run-dir", str(run),
-                                "--max-steps", "0", "--threads", "1", "--no-dashboard", "--checkpoint-every", "0",
-                                "--initial-peers", stock_addr])
-    coordinator_peer = wait_for_join(run, 240).rsplit("/p2p/", 1)[1]  # the operator shares the peer id only
+    join = start_coordinator(procs, run, timeout=240, checkpoint_every=0, initial_peers=stock_addr).join
+    coordinator_peer = join.rsplit("/p2p/", 1)[1]  # the operator shares the peer id only
 
     dead = f"/ip4/127.0.0.1/tcp/{free_tcp_port()}/p2p/{Identity.generate().peer_id}"
     data = tmp_path / "volunteer"
+    # two bootstrap addresses where volunteer_args takes one join address: this command line stays written out
     vol = procs.start("volunteer", ["-m", "asyncrl.client.cli", "join", dead, stock_addr, "--coordinator",
                                     coordinator_peer, "--data-dir", str(data), "--name", "vol", "--threads", "1",
                                     "--max-batches", "2", "--quiet", "--host", "127.0.0.1"])
