@@ -36,6 +36,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO, wait_for
+from tests.harness import coordinator_args, volunteer_args
 from tests.integration.lab import alive
 
 pytestmark = pytest.mark.integration
@@ -91,17 +92,16 @@ def test_volunteers_behind_nat_join_in_client_mode_and_swap_chunks_through_a_rel
     ns = build(lab, tmp_path)
     exec_in = lambda name: ("ip", "netns", "exec", ns[name])  # noqa: E731
     run = tmp_path / "run"
-    coordinator = procs.start("coordinator", ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny", "--run-dir", str(run),
-                                "--run-id", "nat", "--host", "10.77.0.2", "--port", str(PORT), "--max-steps", "0",
-                                "--threads", "1", "--no-dashboard", "--checkpoint-every", "0", "--chunk-bytes", "4096"],
-                prefix=exec_in("coord"))
+    # inside its network namespace (prefix), waited for below: coordinator_args, not start_coordinator
+    coordinator = procs.start("coordinator", coordinator_args(run, run_id="nat", host="10.77.0.2", port=PORT,
+                                                              checkpoint_every=0, chunk_bytes=4096),
+                              prefix=exec_in("coord"))
     join = wait_for(lambda: (alive(coordinator), (run / "join.txt").exists() and (run / "join.txt").read_text().strip())[1],
                     240, "the coordinator's join address")
     assert "/ip4/10.77.0.2/" in join
 
     vc = tmp_path / "vc"
-    procs.start("vc", ["-m", "asyncrl.client.cli", "join", join, "--client-mode", "--name", "vc", "--data-dir", str(vc),
-                       "--threads", "1", "--quiet"], prefix=exec_in("vc"))
+    procs.start("vc", volunteer_args(join, vc, name="vc", client_mode=True, quiet=True), prefix=exec_in("vc"))
     followers = {}
     for name in ("va", "vb"):
         followers[name] = tmp_path / name
