@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from asyncrl.coordinator.config_file import EXAMPLE_PATH
 
 from tests.conftest import REPO, Procs, wait_for
+from tests.harness import coordinator_args
 
 pytestmark = pytest.mark.integration
 
@@ -61,12 +62,11 @@ class Swarm:
 def swarm(tmp_path_factory):
     s = Swarm(tmp_path_factory.mktemp("operator"))
     try:
-        s.coord = s.procs.start("coordinator", [
-            # The example file is a real-model config (every field at its default); flags swap in the tiny model
-            # and the toy length its 256-token context needs.
-            "-m", "asyncrl.coordinator.cli", "run", "--config", str(REPO / EXAMPLE_PATH), "--run-dir", str(s.run),
-            "--model", "tiny", "--max-new-tokens", "8", "--max-steps", "0", "--threads", "1",
-            "--groups-per-step", "4", "--max-wait-s", "2"])
+        # The example file is a real-model config (every field at its default); flags swap in the tiny model
+        # and the toy length its 256-token context needs. With its dashboard; waited for on the join command it
+        # prints, which the volunteers below run as is.
+        s.coord = s.procs.start("coordinator", coordinator_args(
+            s.run, config=REPO / EXAMPLE_PATH, no_dashboard=False, max_new_tokens=8, groups_per_step=4, max_wait_s=2))
 
         def printed_join():
             if s.coord.poll() is not None:
