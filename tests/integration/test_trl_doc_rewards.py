@@ -16,6 +16,7 @@ import textwrap
 import pytest
 
 from tests.conftest import REPO, wait_for_join
+from tests.harness import volunteer_args
 
 pytestmark = pytest.mark.integration
 
@@ -58,19 +59,19 @@ def test_trl_documented_rewards_train_unchanged_with_per_reward_metrics(procs, t
         dashboard = false
     """))
     env = {"PYTHONPATH": os.pathsep.join([str(REPO), str(PKG)])}
+    # everything but the thread count from the TOML above (run directory, model, steps, no dashboard), so not
+    # coordinator_args, which names the run directory and the harness defaults on the command line
     coord = procs.start("coordinator", ["-m", "asyncrl.coordinator.cli", "run", "--config",
                                         str(tmp_path / "coordinator.toml"), "--threads", "1"], env=env)
     join = wait_for_join(run, 240, proc=coord)
     # A volunteer without the reward package (PYTHONPATH without it) is refused at the handshake with the install
     # line, before it asks for a lease; the coordinator records the refusal for the operator (no strike).
-    bare = procs.start("bare", ["-m", "asyncrl.client.cli", "join", join, "--name", "bare", "--data-dir",
-                                str(tmp_path / "bare"), "--threads", "1"], env={"PYTHONPATH": str(REPO)})
+    bare = procs.start("bare", volunteer_args(join, tmp_path / "bare", name="bare"), env={"PYTHONPATH": str(REPO)})
     assert bare.wait(180) != 0
     assert "REWARD_PACKAGE_MISSING" in bare.log_path.read_text()
     assert "pip install 'trl-doc-rewards==1.17.0'" in bare.log_path.read_text()
-    vol = procs.start("volunteer", ["-m", "asyncrl.client.cli", "join", join, "--name", "trl", "--data-dir",
-                                    str(tmp_path / "vol"), "--prompts-per-batch", str(PROMPTS), "--fixed-lease-size",
-                                    "--threads", "1"], env=env)
+    vol = procs.start("volunteer", volunteer_args(join, tmp_path / "vol", name="trl", prompts_per_batch=PROMPTS,
+                                                  fixed_lease_size=True), env=env)
     assert coord.wait(400) == 0, coord.log_path.read_text()[-3000:]
     vol.wait(120)
     status = json.loads((tmp_path / "vol" / "status.json").read_text())
