@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.protocol.identity import Identity
+
 from tests.conftest import REPO, Procs, wait_for_join
 from tests.harness import coordinator_args
 

@@ -49,8 +49,8 @@ def _volunteer_events(log):
 
 def test_spooled_batches_survive_an_outage_longer_than_the_window(procs, tmp_path, free_port):
     run, vol = tmp_path / "run", tmp_path / "vol"
-    same = dict(port=free_port, checkpoint_every=0, groups_per_step=4, min_groups=1, max_wait_s=1,
-                lease_timeout_s=600, timestamp_window_s=WINDOW_S, group_size=4, max_inflight_groups=16)
+    same = {"port": free_port, "checkpoint_every": 0, "groups_per_step": 4, "min_groups": 1, "max_wait_s": 1,
+            "lease_timeout_s": 600, "timestamp_window_s": WINDOW_S, "group_size": 4, "max_inflight_groups": 16}
     coordinator = start_coordinator(procs, run, name="coordinator-1", **same)
     first, join = coordinator.proc, coordinator.join
     vol.mkdir()
