@@ -92,10 +92,12 @@ def open_row(attack, name: str):
 
 
 def honest_windows(swarm, step, pause_s: float = PAUSE_S, *, pairs: int = PAIRS, window_s: float = WINDOW_S / PAIRS,
-                   begin=None, end=None) -> dict:
+                   begin=None, end=None, min_acked: int = 0, max_pairs: int = 0) -> dict:
     """alice's and bob's acked batches per minute with and without the attack: `pairs` pairs of windows of
     `window_s` seconds each, first without, then with `step()` (one round of the attack) run again and again,
-    `pause_s` apart, on a thread of its own.
+    `pause_s` apart, on a thread of its own. With `min_acked`, pairs are added (up to `max_pairs` in all) until
+    the baseline windows counted that many acks: a loaded machine acks fewer batches per window, and a ratio of
+    few events is noisy. The rule looks at the baseline's count only, never at the ratio.
 
     An attack that cannot be paused (it changes what the coordinator remembers, e.g. whom it chose as a
     seeder) starts afresh in each attack window instead: `begin()` is called as the window opens (inside it:
@@ -119,22 +121,25 @@ def honest_windows(swarm, step, pause_s: float = PAUSE_S, *, pairs: int = PAIRS,
     totals = {"baseline": [0, 0.0], "attack": [0, 0.0]}
     spans: list[tuple[str, float, float]] = []  # (phase, wall-clock start, end) of each window
     try:
-        for phase in ("baseline", "attack") * pairs:
-            a0, t0, wall = swarm.acked(), time.monotonic(), time.time()
-            if phase == "attack":
-                if begin is not None:
-                    begin()
-                active.set()
-            stop.wait(window_s)  # a measurement window, not an ordering of events
-            active.clear()
-            totals[phase][0] += swarm.acked() - a0
-            totals[phase][1] += time.monotonic() - t0
-            spans.append((phase, wall, time.time()))
-            if phase == "attack" and end is not None:
-                with stepping:
-                    end()
-            if errors:
-                raise errors[0]
+        done = 0
+        while done < pairs or (totals["baseline"][0] < min_acked and done < max_pairs):
+            for phase in ("baseline", "attack"):
+                a0, t0, wall = swarm.acked(), time.monotonic(), time.time()
+                if phase == "attack":
+                    if begin is not None:
+                        begin()
+                    active.set()
+                stop.wait(window_s)  # a measurement window, not an ordering of events
+                active.clear()
+                totals[phase][0] += swarm.acked() - a0
+                totals[phase][1] += time.monotonic() - t0
+                spans.append((phase, wall, time.time()))
+                if phase == "attack" and end is not None:
+                    with stepping:
+                        end()
+                if errors:
+                    raise errors[0]
+            done += 1
     finally:
         stop.set()
         worker.join(120)
