@@ -19,7 +19,6 @@ tests/artifacts/adversarial_restart.json.
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -39,8 +38,16 @@ from tests.adversarial.swarm import (
     start_volunteers,
     wait_for,
 )
-from tests.adversarial.test_hostile import PAUSE_S, assert_kept_pace, figures, honest_windows, sealed_request
+from tests.adversarial.test_hostile import (
+    PAUSE_S,
+    assert_kept_pace,
+    figures,
+    honest_windows,
+    load_average,
+    sealed_request,
+)
 from tests.conftest import Procs, free_tcp_port, wait_for_join
+from tests.harness import COORDINATOR
 
 pytestmark = pytest.mark.integration
 
@@ -55,8 +62,8 @@ def restart_swarm(tmp_path_factory):
     root = tmp_path_factory.mktemp("adversarial-restart")
     procs = Procs(root)
     run = root / "run"
-    args = ["-m", "asyncrl.coordinator.cli", "run", "--model", "tiny", "--run-dir", str(run),
-            "--port", str(free_tcp_port()), *COORDINATOR_FLAGS]
+    args = [*COORDINATOR, "--model", "tiny", "--run-dir", str(run), "--port", str(free_tcp_port()),
+            *COORDINATOR_FLAGS]
     coord = procs.start("coordinator", args)
     try:
         join = wait_for_join(run, 240, coord)
@@ -92,11 +99,7 @@ def back_on_the_resumed_lineage(swarm: Swarm, stopped_at: float) -> bool:
     return set(swarm.honest) <= fresh
 
 
-def load_average() -> str:
-    return "/".join(f"{x:.1f}" for x in os.getloadavg())
-
-
-@pytest.mark.timeout(1500)  # its own swarm's start, a coordinator restart and 12 windows of 12 s
+@pytest.mark.timeout(1500)  # its own swarm's start, a coordinator restart and 12-36 windows of 12 s (MAX_PAIRS)
 def test_copies_of_her_lease_requests_after_a_restart_never_lease_on_her_key(restart_swarm):
     swarm = restart_swarm
     mallory = Mallory(swarm)
@@ -126,8 +129,9 @@ def test_copies_of_her_lease_requests_after_a_restart_never_lease_on_her_key(res
 
         stopped_at = time.time()
         stop_coordinator(swarm)
-        # captured just before the restart (the worst case: fresh, within the timestamp window, nonces unspent)
-        captured = [sealed_request(swarm, alice, 8) for _ in range(2)]  # a round: 6 calls, as test_hostile.py's copies row
+        # captured just before the restart (the worst case: fresh, within the timestamp window, nonces unspent);
+        # a round is 6 calls, as in test_hostile.py's copies row
+        captured = [sealed_request(swarm, alice, 8) for _ in range(2)]
         resume_coordinator(swarm)
         stop = threading.Event()
 
